@@ -1,0 +1,188 @@
+"""`python -m eagle_jax.bench`: decoding methods side by side, in one run, on one machine.
+
+    python -m eagle_jax.bench --prompts FILE.jsonl --limit 8 --max-new-tokens 128 --methods vanilla,hf --json
+
+Every method first decodes one warm-up prompt (compilation and caches are excluded from the
+figures); then prompts are decoded one at a time with the methods interleaved — the order rotates
+per prompt — so slow drifts of the machine hit every method alike. The last stdout line is
+`{"methods": {name: {"tokens_per_s", "tau", "new_tokens", "seconds", ...}}, "machine": {...}}`;
+a Markdown table goes to stderr (and to --markdown FILE).
+
+Methods: `vanilla` (eagle_jax plain decoding), `hf` (transformers' greedy `generate` on the same
+weights, PyTorch on this machine's threads), `hf-pld` (transformers' prompt-lookup decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from .decoding import cache_length_for
+from .serve.cli import read_prompts
+
+ALL_METHODS = ("vanilla", "hf", "hf-pld")
+# PyTorch on CPU runs its first two generations several times slower (measured): warm up twice.
+WARMUP_ROUNDS = 2
+
+
+def default_prompts_file() -> Path:
+    return Path(str(resources.files("eagle_jax") / "data" / "chat_prompts.jsonl"))
+
+
+def machine_info() -> dict:
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "jax": jax.__version__, "jax_backend": jax.default_backend(),
+            "jax_devices": [str(d) for d in jax.devices()]}
+
+
+class HFRunner:
+    """transformers' generate on the engine's weights (float32), greedy; optional prompt lookup."""
+
+    def __init__(self, path: Path, eos_ids: list[int], prompt_lookup: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.eos_ids = eos_ids
+        self.prompt_lookup = prompt_lookup
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
+        torch = self.torch
+        ids = torch.tensor([prompt_ids])
+        kw = {"prompt_lookup_num_tokens": self.prompt_lookup} if self.prompt_lookup else {}
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0],
+                                      **kw)
+        seconds = time.perf_counter() - t0
+        new = out[0, len(prompt_ids):].tolist()
+        return {"tokens": new, "new_tokens": len(new), "target_calls": None, "seconds": seconds}
+
+
+def make_runners(engine, methods, cache_len: int) -> dict:
+    runners = {}
+    for m in methods:
+        if m == "vanilla":
+            def run(ids, n, _e=engine):
+                g = _e.generate_ids(ids, n, cache_len=cache_len)
+                return {"tokens": g.tokens, "new_tokens": g.new_tokens, "target_calls": g.target_calls,
+                        "seconds": g.seconds}
+            runners[m] = run
+        elif m in ("hf", "hf-pld"):
+            runners[m] = HFRunner(engine.path, engine.eos_ids, prompt_lookup=10 if m == "hf-pld" else 0)
+        else:
+            raise ValueError(f"unknown method {m!r}; available: {', '.join(ALL_METHODS)}")
+    return runners
+
+
+def run_bench(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None) -> dict:
+    """Warm up every method, then decode each prompt with every method, order rotating per prompt."""
+    cache_len = cache_length_for(max(len(p) for p in prompts), max_new_tokens, engine.cache_bucket)
+    runners = make_runners(engine, methods, cache_len)
+    for _ in range(WARMUP_ROUNDS):  # compile / allocate / let PyTorch pick its kernels; not counted
+        for m in methods:
+            runners[m](prompts[0], max_new_tokens)
+    rows = {m: [] for m in methods}
+    for i, ids in enumerate(prompts):
+        order = methods[i % len(methods):] + methods[:i % len(methods)]
+        for m in order:
+            rows[m].append(runners[m](ids, max_new_tokens))
+        if log:
+            log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
+                f"{m} {rows[m][-1]['new_tokens'] / rows[m][-1]['seconds']:.1f} tok/s" for m in methods))
+    return summarize(rows)
+
+
+def summarize(rows: dict) -> dict:
+    """Per-method totals. tokens_per_s = all new tokens / all seconds; tau = new tokens / target calls."""
+    out = {}
+    for m, rs in rows.items():
+        new = sum(r["new_tokens"] for r in rs)
+        sec = sum(r["seconds"] for r in rs)
+        calls = [r["target_calls"] for r in rs]
+        out[m] = {"tokens_per_s": new / sec if sec else 0.0, "new_tokens": new, "seconds": sec,
+                  "tau": (new / sum(calls)) if None not in calls and sum(calls) else None, "prompts": len(rs)}
+    for ref in ("vanilla", "hf"):
+        if ref in out and out[ref]["tokens_per_s"]:
+            for m in out:
+                out[m][f"speedup_vs_{ref}"] = out[m]["tokens_per_s"] / out[ref]["tokens_per_s"]
+    if "vanilla" in rows:
+        for m in rows:
+            if m != "vanilla":
+                same = sum(a["tokens"] == b["tokens"] for a, b in zip(rows["vanilla"], rows[m]))
+                out[m]["same_tokens_as_vanilla"] = f"{same}/{len(rows[m])}"
+    return out
+
+
+def markdown_table(result: dict) -> str:
+    cols = ["tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf", "tau", "new_tokens", "seconds"]
+    lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for m, r in result.items():
+        cells = [f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m eagle_jax.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=Path, default=None, help="JSONL {id, prompt} (default: packaged chat prompts)")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="vanilla,hf")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print the result JSON as the last stdout line")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the Markdown table here")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        print(f"error: unknown method(s) {bad}; available: {', '.join(ALL_METHODS)}", file=sys.stderr)
+        return 2
+    from .engine import Engine
+
+    log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
+    prompts = read_prompts(args.prompts or default_prompts_file())[: args.limit]
+    engine = Engine(args.model, dtype=args.dtype)
+    ids = [engine.encode(p, raw=args.raw) for _, p in prompts]
+    log(f"{len(ids)} prompts, {args.max_new_tokens} new tokens, methods {methods}")
+    result = {"methods": run_bench(engine, ids, methods, args.max_new_tokens, log), "machine": machine_info(),
+              "settings": {"prompts": str(args.prompts or "packaged chat prompts"), "limit": len(ids),
+                           "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype}}
+    table = markdown_table(result["methods"])
+    print(table, file=sys.stderr)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

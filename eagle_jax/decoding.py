@@ -1,0 +1,132 @@
+"""Plain (non-speculative) generation: chunked prefill, then one token per target call.
+
+The whole generation — prefill and decode loop — is one jitted function with static shapes
+(batch, cache length, prefill chunk), so a shape compiles once and every step runs without going
+back to Python. Prompts of different lengths share the batch: each row keeps its own length.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .models.config import ModelConfig
+from .models.decoder import KVCache, forward, lm_logits
+from .sampling import SamplingParams, sample
+
+# Incremented each time a generation function is traced; tests use it to prove compile-once.
+TRACE_COUNTS: dict[str, int] = {}
+
+
+class GenerateOutput(NamedTuple):
+    tokens: jax.Array  # [B, S] prompt followed by generated tokens (padding after `length`)
+    length: jax.Array  # [B] prompt + generated
+    num_new: jax.Array  # [B] generated tokens (EOS included when produced)
+    target_calls: jax.Array  # [] target passes that produced tokens (the prefill pass, then one per step)
+
+
+def _count_trace(name: str):
+    TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
+
+
+def prefill(params, cfg: ModelConfig, tokens_bs, prompt_len_b, cache: KVCache, chunk: int, capture=()):
+    """Run the prompt through the target in chunks of `chunk` tokens.
+
+    Returns (cache with length = prompt_len, last-token logits [B, V], captured features per
+    capture index [B, S, D] for every prompt position (zeros past the prompt)).
+    """
+    b, s = tokens_bs.shape
+    n_chunks = (jnp.max(prompt_len_b) + chunk - 1) // chunk
+    padded = jnp.pad(tokens_bs, ((0, 0), (0, chunk)))
+    last_idx = prompt_len_b - 1
+    feats0 = tuple(jnp.zeros((b, s + chunk, cfg.hidden_size), cfg.jnp_dtype) for _ in capture)
+    logits0 = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+
+    def body(state):
+        i, cache, logits, feats = state
+        start = i * chunk
+        toks = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
+        n_valid = jnp.clip(prompt_len_b - start, 0, chunk)
+        pos = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        out = forward(params, cfg, toks, jnp.broadcast_to(pos, (b, chunk)), cache, capture=capture)
+        rel = jnp.clip(last_idx - start, 0, chunk - 1)
+        h_last = jnp.take_along_axis(out.hidden, rel[:, None, None], axis=1)[:, 0]
+        in_chunk = (last_idx >= start) & (last_idx < start + chunk)
+        logits = jnp.where(in_chunk[:, None], lm_logits(params, cfg, h_last), logits)
+        feats = tuple(jax.lax.dynamic_update_slice_in_dim(f, c.astype(f.dtype), start, axis=1)
+                      for f, c in zip(feats, out.captured))
+        return i + 1, out.cache.advance(n_valid), logits, feats
+
+    _, cache, logits, feats = jax.lax.while_loop(
+        lambda st: st[0] < n_chunks, body, (jnp.int32(0), cache, logits0, feats0))
+    valid = (jnp.arange(s)[None, :] < prompt_len_b[:, None])[..., None]
+    feats = tuple(jnp.where(valid, f[:, :s], 0) for f in feats)
+    return cache, logits, feats
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"))
+def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
+                    key, prefill_chunk: int = 64) -> GenerateOutput:
+    """Generate up to `max_new_tokens` per row after each row's prompt.
+
+    tokens_bs: [B, S] prompts left-aligned; S is the cache length (static). eos_ids: [E] int32
+    (pad with -1). A row stops at EOS (kept in the output), after max_new_tokens, or when full.
+    """
+    _count_trace("generate")
+    b, s = tokens_bs.shape
+    cache = KVCache.create(cfg, b, s)
+    cache, logits, _ = prefill(params, cfg, tokens_bs, prompt_len_b, cache, prefill_chunk)
+    rows = jnp.arange(b)
+
+    def emit(tokens, length, num_new, done, tok):
+        write = ~done
+        tokens = tokens.at[rows, jnp.where(write, length, s)].set(tok, mode="drop")
+        length = length + write
+        num_new = num_new + write
+        is_eos = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
+        done = done | (write & is_eos) | (num_new >= max_new_tokens) | (length >= s)
+        return tokens, length, num_new, done
+
+    tok = sample(jax.random.fold_in(key, 0), logits, sp)
+    done0 = jnp.zeros((b,), bool) | (max_new_tokens <= 0)
+    tokens, length, num_new, done = emit(tokens_bs, prompt_len_b, jnp.zeros((b,), jnp.int32), done0, tok)
+
+    def cond(st):
+        return ~jnp.all(st[4])
+
+    def body(st):
+        step, cache, tokens, length, done, num_new, last, calls = st
+        out = forward(params, cfg, last[:, None], (length - 1)[:, None], cache)
+        cache = out.cache.advance(jnp.ones((b,), jnp.int32))
+        tok = sample(jax.random.fold_in(key, step), lm_logits(params, cfg, out.hidden[:, 0]), sp)
+        tokens, length, num_new, done = emit(tokens, length, num_new, done, tok)
+        return step + 1, cache, tokens, length, done, num_new, tok, calls + 1
+
+    st = (jnp.int32(1), cache, tokens, length, done, num_new, tok, jnp.int32(0))
+    st = jax.lax.while_loop(cond, body, st)
+    _, _, tokens, length, _, num_new, _, calls = st
+    # The prefill pass produced the first token: it counts as a call, so vanilla tau is exactly 1.
+    return GenerateOutput(tokens, length, num_new, calls + (max_new_tokens > 0))
+
+
+def cache_length_for(prompt_len: int, max_new_tokens: int, bucket: int = 128) -> int:
+    """The static cache length that fits prompt + new tokens, rounded up to `bucket` (fewer compiles)."""
+    need = prompt_len + max_new_tokens
+    return int(-(-need // bucket) * bucket)
+
+
+def pack_prompts(prompts: list[list[int]], cache_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-align token lists into a [B, cache_len] int32 array; raise if a prompt does not fit."""
+    out = np.zeros((len(prompts), cache_len), np.int32)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) >= cache_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, which does not fit the cache of {cache_len} "
+                             f"tokens (prompt + at least one new token)")
+        out[i, :len(p)] = p
+    return out, np.array([len(p) for p in prompts], np.int32)

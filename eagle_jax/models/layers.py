@@ -1,0 +1,139 @@
+"""Building blocks of a Llama-family decoder layer (Flax linen, applied functionally).
+
+Parameter names follow Hugging Face's module names (`self_attn.q_proj`, `mlp.gate_proj`, ...)
+so checkpoint conversion is a transpose and a stack, never a lookup table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as Hugging Face's LlamaRMSNorm does."""
+
+    dim: int
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (self.dim,), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale * xf.astype(x.dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions_bt: jax.Array):
+    """cos, sin [B, T, head_dim] in float32 for integer positions (rotate-half layout)."""
+    inv = jnp.asarray(cfg.rope_inv_freq())  # [Dh/2]
+    freqs = positions_bt.astype(jnp.float32)[..., None] * inv  # B T Dh/2
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
+    half = x_bthd.shape[-1] // 2
+    rot = jnp.concatenate([-x_bthd[..., half:], x_bthd[..., :half]], axis=-1)
+    cos = cos_btd[:, :, None, :].astype(x_bthd.dtype)
+    sin = sin_btd[:, :, None, :].astype(x_bthd.dtype)
+    return x_bthd * cos + rot * sin
+
+
+def dense_attention(q_bthd, k_bshd, v_bshd, mask_bts):
+    """Reference attention: softmax(q k^T / sqrt(d)) v over all S keys, masked by `mask_bts`.
+
+    GQA: q has `num_heads` heads, k/v `num_kv_heads`; query head h reads kv head h // group.
+    Scores and softmax are float32. Rows with no visible key return zeros (never NaN).
+    """
+    b, t, h, d = q_bthd.shape
+    kvh = k_bshd.shape[2]
+    g = h // kvh
+    q = q_bthd.reshape(b, t, kvh, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    mask = mask_bts[:, None, None, :, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    mx = jnp.max(scores, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.exp(scores - mx)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_bshd.dtype), v_bshd, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q_bthd.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with optional q/k/v bias, q/k RMSNorm and a shared KV cache.
+
+    `cache` is None (attend within the block only) or `(k, v, layer, slots_bt)`: the full stacked
+    cache `[L, B, S, Hkv, Dh]`, this layer's index, and the cache slots the block's keys go to.
+    The new keys are scattered in place (slots past the end are dropped) and the queries attend to
+    all S slots of this layer under `mask_bts`.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd, cos, sin, mask_bts, cache=None):
+        cfg = self.cfg
+        dt = cfg.jnp_dtype
+        b, t, _ = x_btd.shape
+        dense = lambda n, feats, bias: nn.Dense(feats, use_bias=bias, dtype=dt, param_dtype=dt, name=n)
+        q = dense("q_proj", cfg.num_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
+        k = dense("k_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
+        v = dense("v_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, name="k_norm")(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if cache is None:
+            out = dense_attention(q, k, v, mask_bts)
+        else:
+            k_all, v_all, layer, slots_bt = cache
+            rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+            k_all = k_all.at[layer, rows, slots_bt].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[layer, rows, slots_bt].set(v.astype(v_all.dtype), mode="drop")
+            out = dense_attention(q, k_all[layer], v_all[layer], mask_bts)
+            cache = (k_all, v_all)
+        out = dense("o_proj", cfg.hidden_size, cfg.o_bias)(out.reshape(b, t, cfg.num_heads * cfg.head_dim))
+        return out, cache
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        dt = cfg.jnp_dtype
+        dense = lambda n, feats: nn.Dense(feats, use_bias=cfg.mlp_bias, dtype=dt, param_dtype=dt, name=n)
+        gate = dense("gate_proj", cfg.intermediate_size)(x)
+        up = dense("up_proj", cfg.intermediate_size)(x)
+        return dense("down_proj", cfg.hidden_size)(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd, cos, sin, mask_bts, cache: Optional[tuple] = None):
+        cfg = self.cfg
+        dt = cfg.jnp_dtype
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="input_layernorm")(x_btd)
+        a, cache = Attention(cfg, name="self_attn")(h, cos, sin, mask_bts, cache)
+        x_btd = x_btd + a
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x_btd)
+        return x_btd + MLP(cfg, name="mlp")(h), cache

@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random Hugging Face models of every supported family, and their
+eagle_jax twins built from the same weights."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+
+TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+FAMILY_EXTRAS = {
+    "llama": dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama_bias_untied": dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(head_dim=32, num_key_value_heads=1),
+    "mistral": dict(sliding_window=6, num_key_value_heads=4),
+}
+
+
+def make_hf_model(name: str, seed: int = 0, std: float = 0.08):
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    family = name.split("_")[0]
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    hf_cfg = cls[0](**{**TINY, **FAMILY_EXTRAS[name]})
+    torch.manual_seed(seed)
+    model = cls[1](hf_cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    return model
+
+
+def twin(model, **overrides):
+    """(cfg, params) of eagle_jax built from a HF model's config and weights."""
+    from eagle_jax.models.checkpoint import params_from_hf_state_dict
+    from eagle_jax.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config(model.config.to_diff_dict(), **overrides)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return cfg, params_from_hf_state_dict(cfg, sd)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    model = make_hf_model("llama", std=0.2)
+    cfg, params = twin(model)
+    return model, cfg, params
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def write_tiny_tokenizer(path, vocab_size: int):
+    """A word-level tokenizer over `w3 … w{V-1}` with <unk>=0, <s>=1, </s>=2 and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<s> w3 {{ m['content'] }} </s> {% endfor %}"
+                          "{% if add_generation_prompt %}<s> w4 {% endif %}")
+    fast.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, tiny_llama):
+    """A HF directory (config, safetensors, tokenizer) of the tiny llama: what Engine loads."""
+    from eagle_jax.models.checkpoint import save_hf_dir
+
+    model, cfg, params = tiny_llama
+    path = tmp_path_factory.mktemp("tiny_hf")
+    save_hf_dir(path, cfg, params, extra_config={"bos_token_id": 1, "eos_token_id": 2})
+    write_tiny_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default target: (Engine, transformers model loaded from the same GGUF)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle_jax.engine import Engine
+    from eagle_jax.models import registry
+
+    engine = Engine("smollm2-135m-instruct", progress=False)
+    gguf = registry.alias_gguf("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    return engine, hf

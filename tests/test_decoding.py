@@ -1,0 +1,84 @@
+"""Plain generation: greedy equals transformers' generate; stopping rules; one compile per shape."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_hf_model, twin
+from eagle_jax.decoding import TRACE_COUNTS, cache_length_for, generate_tokens, pack_prompts
+from eagle_jax.sampling import SamplingParams
+
+NO_EOS = jnp.array([-1], jnp.int32)
+
+
+def _generate(params, cfg, prompts, max_new, cache_len=128, sp=None, eos=NO_EOS, chunk=16, seed=0):
+    toks, lens = pack_prompts(prompts, cache_len)
+    sp = sp or SamplingParams.create(len(prompts))
+    out = generate_tokens(params, cfg, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new), eos, sp,
+                          jax.random.PRNGKey(seed), prefill_chunk=chunk)
+    return [list(np.asarray(out.tokens[i, lens[i]:out.length[i]])) for i in range(len(prompts))], out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_greedy_equals_transformers_generate(name, rng):
+    model = make_hf_model(name, std=0.2)
+    cfg, params = twin(model)
+    prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (5, 16, 17, 40)]  # chunk boundaries
+    got, out = _generate(params, cfg, prompts, 24)
+    for p, g in zip(prompts, got):
+        ids = torch.tensor([p])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert g == ref
+    assert np.asarray(out.num_new).tolist() == [24] * 4
+
+
+def test_stops_at_eos_and_keeps_it(tiny_llama):
+    _, cfg, params = tiny_llama
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    free, _ = _generate(params, cfg, prompts, 12)
+    eos = free[0][4]  # the 5th greedy token of row 0 becomes the stop token
+    first = [row.index(eos) + 1 if eos in row else 12 for row in free]
+    stopped, out = _generate(params, cfg, prompts, 12, eos=jnp.array([eos, -1], jnp.int32))
+    for row, n, s in zip(free, first, stopped):
+        assert s == row[:n]
+    assert np.asarray(out.num_new).tolist() == first
+
+
+def test_max_new_tokens_and_cache_full(tiny_llama):
+    _, cfg, params = tiny_llama
+    got, out = _generate(params, cfg, [[1, 2, 3]], 5, cache_len=16)
+    assert len(got[0]) == 5 and int(out.target_calls) == 5
+    got, out = _generate(params, cfg, [[1, 2, 3]], 50, cache_len=16)
+    assert len(got[0]) == 13 and int(out.length[0]) == 16  # stops when the cache is full
+
+
+def test_compiles_once_per_shape(tiny_llama):
+    """Different prompts, lengths, budgets, temperatures and seeds reuse one compiled generation."""
+    _, cfg, params = tiny_llama
+    _generate(params, cfg, [[1, 2, 3]], 4, cache_len=32)
+    before = TRACE_COUNTS.get("generate", 0)
+    for i, (prompt, n, temp) in enumerate([([4, 5], 9, 0.0), ([7] * 20, 3, 0.8), ([2, 9, 4, 1], 11, 1.5)]):
+        _generate(params, cfg, [prompt], n, cache_len=32, sp=SamplingParams.create(1, temp, 0.9, 5), seed=i)
+    assert TRACE_COUNTS["generate"] == before
+    _generate(params, cfg, [[1, 2, 3]], 4, cache_len=64)  # a new cache length is a new shape
+    assert TRACE_COUNTS["generate"] == before + 1
+
+
+def test_sampling_is_reproducible_per_seed(tiny_llama):
+    _, cfg, params = tiny_llama
+    sp = SamplingParams.create(1, 1.0)
+    a, _ = _generate(params, cfg, [[1, 2, 3]], 10, sp=sp, seed=3)
+    b, _ = _generate(params, cfg, [[1, 2, 3]], 10, sp=sp, seed=3)
+    c, _ = _generate(params, cfg, [[1, 2, 3]], 10, sp=sp, seed=4)
+    assert a == b and a != c
+
+
+def test_prompt_longer_than_cache_is_rejected():
+    with pytest.raises(ValueError, match="prompt 1 has 40 tokens, which does not fit the cache of 32"):
+        pack_prompts([[1, 2], list(range(40))], 32)
+    with pytest.raises(ValueError, match="empty"):
+        pack_prompts([[]], 32)
+    assert cache_length_for(100, 28) == 128 and cache_length_for(100, 29) == 256

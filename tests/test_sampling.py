@@ -1,0 +1,103 @@
+"""The sampler: logit filtering identical to transformers' warpers, and plain decoding's draws
+distributed as the filtered target distribution (a chi-square test that can fail)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from eagle_jax.decoding import generate_tokens, pack_prompts
+from eagle_jax.models.decoder import forward, lm_logits
+from eagle_jax.sampling import SamplingParams, filter_logits, target_probs, validate_sampling
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
+                                                     (0.5, 10, 0.6), (2.0, 1, 0.9), (1.0, 0, 0.01)])
+def test_filter_matches_transformers_warpers(temperature, top_k, top_p, rng):
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
+    t = torch.tensor(logits)
+    t = TemperatureLogitsWarper(temperature)(None, t)
+    if top_k:
+        t = TopKLogitsWarper(top_k)(None, t)
+    if top_p < 1:
+        t = TopPLogitsWarper(top_p)(None, t)
+    ref = t.numpy()
+    got = np.asarray(filter_logits(jnp.asarray(logits), SamplingParams.create(4, temperature, top_p, top_k)))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    np.testing.assert_allclose(got[np.isfinite(got)], ref[np.isfinite(ref)], rtol=1e-6)
+
+
+def test_greedy_rows_ignore_filters():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(3, 50)), jnp.float32)
+    p = target_probs(logits, SamplingParams.create(3, 0.0, 0.5, 3))
+    np.testing.assert_array_equal(np.argmax(np.asarray(p), -1), np.argmax(np.asarray(logits), -1))
+    assert np.all(np.asarray(p).max(-1) == 1.0)
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
+                                    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k")])
+def test_invalid_settings_are_rejected(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        validate_sampling(**{**dict(temperature=1.0, top_p=1.0, top_k=0), **kw})
+
+
+def _exact_two_token_distribution(params, cfg, prompt, sp1):
+    """P(t1, t2) enumerated exactly with the tiny target."""
+    ids = jnp.asarray(prompt)[None]
+    p1 = np.asarray(target_probs(lm_logits(params, cfg, forward(params, cfg, ids).hidden[:, -1]), sp1))[0]
+    support = np.flatnonzero(p1 > 0)
+    seqs = jnp.asarray([list(prompt) + [t] for t in support])
+    sp = SamplingParams.create(len(support), float(sp1.temperature[0]), float(sp1.top_p[0]), int(sp1.top_k[0]))
+    p2 = np.asarray(target_probs(lm_logits(params, cfg, forward(params, cfg, seqs).hidden[:, -1]), sp))
+    joint = {}
+    for i, t1 in enumerate(support):
+        for t2 in np.flatnonzero(p2[i] > 0):
+            joint[(t1, t2)] = p1[t1] * p2[i, t2]
+    return joint
+
+
+def _chi2_pvalue(samples, joint):
+    keys = list(joint)
+    index = {k: i for i, k in enumerate(keys)}
+    counts = np.zeros(len(keys) + 1)
+    for s in samples:
+        counts[index.get(s, len(keys))] += 1
+    expected = np.array([joint[k] for k in keys], np.float64) * len(samples)
+    if counts[-1]:  # a sample outside the support: impossible under the target
+        return 0.0
+    big = expected >= 5  # pool rare cells so the chi-square approximation holds
+    obs = np.r_[counts[:-1][big], counts[:-1][~big].sum()]
+    exp = np.r_[expected[big], expected[~big].sum()]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny_llama):
+    _, cfg, params = tiny_llama
+    prompt = [3, 14, 15, 92, 65]
+    n = 6000
+    sp = SamplingParams.create(n, 0.9, 0.9, 8)
+    toks, lens = pack_prompts([prompt] * n, 16)
+    out = generate_tokens(params, cfg, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(2),
+                          jnp.array([-1], jnp.int32), sp, jax.random.PRNGKey(7), prefill_chunk=8)
+    draws = [tuple(r) for r in np.asarray(out.tokens[:, 5:7])]
+    joint = _exact_two_token_distribution(params, cfg, prompt, SamplingParams.create(1, 0.9, 0.9, 8))
+    assert abs(sum(joint.values()) - 1) < 1e-5
+    assert _chi2_pvalue(draws, joint) > 1e-3
+
+    # The test has power: the same draws judged against the distribution without top-k/top-p,
+    # and draws from a sampler that forgets the temperature, are rejected.
+    unfiltered = _exact_two_token_distribution(params, cfg, prompt, SamplingParams.create(1, 0.9, 1.0, 0))
+    assert _chi2_pvalue(draws, {k: v for k, v in unfiltered.items()}) < 1e-6
+    biased = generate_tokens(params, cfg, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(2),
+                             jnp.array([-1], jnp.int32), SamplingParams.create(n, 1.0, 0.9, 8),
+                             jax.random.PRNGKey(8), prefill_chunk=8)
+    assert _chi2_pvalue([tuple(r) for r in np.asarray(biased.tokens[:, 5:7])], joint) < 1e-6
