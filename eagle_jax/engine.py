@@ -20,11 +20,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from .decoding import cache_length_for, generate_tokens, pack_prompts
+from .draft.config import DraftConfig
+from .draft.drafting import TreeBudget
+from .draft.heads import DraftHead, init_head, oracle_head
 from .models.checkpoint import load_hf_dir
 from .models.registry import resolve_model
 from .sampling import SamplingParams, validate_sampling
+from .speculative import speculative_generate
+from .tree import DEFAULT_STATIC_TREE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SPEC_METHODS = ("eagle1", "eagle2", "eagle3")
+
+
+def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optional[int] = None,
+                   top_k: Optional[int] = None) -> TreeBudget:
+    """CPU-sized trees (verification cost grows fast with tokens on a CPU; see DESIGN.md):
+    eagle1 = the default static tree; eagle2/eagle3 = dynamic, 24 tokens, depth 5, top-k 4."""
+    if method == "eagle1":
+        if any(v is not None for v in (total_tokens, depth, top_k)):
+            raise ValueError("eagle1 uses a static tree; --total-tokens/--depth/--tree-top-k apply to eagle2/eagle3")
+        return TreeBudget("static", static_tree=DEFAULT_STATIC_TREE)
+    return TreeBudget("dynamic", total_tokens=total_tokens or 24, depth=depth or 5, top_k=top_k or 4)
+
+
+def default_drafter_path(model_spec: str, kind: str) -> Optional[Path]:
+    """The packaged drafter for a model alias, if one ships with eagle_jax."""
+    root = Path(__file__).parent / "assets" / "drafters" / f"{model_spec}-{kind}"
+    return root if (root / "config.json").exists() else None
 
 
 @dataclasses.dataclass
@@ -63,6 +86,7 @@ class Engine:
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", attention: str = "reference",
                  max_cache_len: Optional[int] = None, cache_bucket: int = 128, prefill_chunk: int = 64,
+                 method: str = "vanilla", drafter: Optional[str] = None, budget: Optional[TreeBudget] = None,
                  progress: bool = True):
         from transformers import AutoTokenizer
 
@@ -78,6 +102,46 @@ class Engine:
         self.max_cache_len = max_cache_len or self.cfg.max_position_embeddings
         self.cache_bucket = cache_bucket
         self.prefill_chunk = prefill_chunk
+        self.method = method
+        self.heads: dict[str, DraftHead] = {}  # by method
+        self.budgets: dict[str, TreeBudget] = {}
+        if method != "vanilla":
+            self.add_method(method, drafter or "default", budget)
+
+    # ------------------------------------------------------------------ speculative methods
+    def add_method(self, method: str, drafter: str | DraftHead = "default", budget: Optional[TreeBudget] = None):
+        """Make `method` (eagle1 | eagle2 | eagle3) available with a drafter spec or head.
+
+        drafter: "default" (the packaged head for the default target), a directory in the released
+        EAGLE layouts, "random" (a seeded random head: low acceptance, for testing) or "oracle"
+        (the target drafting for itself: maximal acceptance, for testing and upper bounds).
+        """
+        if method not in SPEC_METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from vanilla, {', '.join(SPEC_METHODS)}")
+        head = drafter if isinstance(drafter, DraftHead) else self._load_head(method, drafter)
+        want = "eagle3" if method == "eagle3" else "eagle1"
+        if head.cfg.kind not in (want, "oracle"):
+            raise ValueError(f"method {method} needs an {want.upper().replace('EAGLE', 'EAGLE-')} head, "
+                             f"but the drafter is {head.cfg.kind}")
+        self.heads[method] = head
+        self.budgets[method] = budget or default_budget(method)
+
+    def _load_head(self, method: str, spec: str) -> DraftHead:
+        kind = "eagle3" if method == "eagle3" else "eagle1"
+        if spec == "oracle":
+            return oracle_head(self.cfg, self.params)
+        if spec == "random":
+            return init_head(DraftConfig.for_target(kind, self.cfg, draft_vocab_size=min(self.cfg.vocab_size, 8192)),
+                             jax.random.PRNGKey(0))
+        if spec == "default":
+            path = default_drafter_path(self.model_spec, kind)
+            if path is None:
+                raise ValueError(f"no default {kind} drafter is packaged for model {self.model_spec!r}; "
+                                 f"pass --drafter PATH (a released EAGLE layout), 'random' or 'oracle'")
+            spec = str(path)
+        from .draft.checkpoint import load_drafter
+
+        return load_drafter(spec, self.cfg)
 
     @property
     def name(self) -> str:
@@ -120,7 +184,7 @@ class Engine:
     # ------------------------------------------------------------------ generation
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, seed: int = 0, id=None,
-                     cache_len: Optional[int] = None) -> Generation:
+                     cache_len: Optional[int] = None, method: Optional[str] = None) -> Generation:
         """Decode one tokenised prompt. `cache_len` pins the cache shape (the benchmark keeps one
         shape for all prompts); by default it is the prompt + new tokens rounded up to the bucket."""
         validate_sampling(temperature, top_p, top_k)
@@ -129,17 +193,26 @@ class Engine:
         toks, lens = pack_prompts([prompt_ids], cache_len)
         sp = SamplingParams.create(1, temperature, top_p, top_k)
         eos = jnp.asarray(self.eos_ids or [-1], jnp.int32)
+        method = method or self.method
+        args = (jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new_tokens), eos, sp, jax.random.PRNGKey(seed))
         t0 = time.perf_counter()
-        out = generate_tokens(self.params, self.cfg, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new_tokens),
-                              eos, sp, jax.random.PRNGKey(seed), prefill_chunk=self.prefill_chunk)
-        out = jax.device_get(out)
+        if method == "vanilla":
+            out = jax.device_get(generate_tokens(self.params, self.cfg, *args, prefill_chunk=self.prefill_chunk))
+            calls = int(out.target_calls)
+            accept = [1] * calls
+        else:
+            if method not in self.heads:
+                raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
+            out = jax.device_get(speculative_generate(self.params, self.cfg, self.heads[method], *args,
+                                                      budget=self.budgets[method], prefill_chunk=self.prefill_chunk))
+            calls = int(out.target_calls[0])
+            accept = [1] + [int(a) for a in np.asarray(out.accept_lengths[0, :calls - 1])]  # prefill's token first
         seconds = time.perf_counter() - t0
         n = int(out.num_new[0])
         new = [int(t) for t in np.asarray(out.tokens[0, len(prompt_ids):len(prompt_ids) + n])]
         finish = "stop" if new and new[-1] in self.eos_ids else "length"
-        calls = int(out.target_calls)
         return Generation(id=id, text=self.decode(new), tokens=new, prompt_tokens=len(prompt_ids), new_tokens=n,
-                          target_calls=calls, accept_lengths=[1] * calls, seconds=seconds, finish_reason=finish)
+                          target_calls=calls, accept_lengths=accept, seconds=seconds, finish_reason=finish)
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, *, raw: bool = False, **kw) -> Generation:
         return self.generate_ids(self.encode(prompt, raw=raw), max_new_tokens, **kw)

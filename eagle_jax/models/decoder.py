@@ -90,11 +90,15 @@ def embed(params, cfg: ModelConfig, tokens_bt):
 
 
 def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optional[KVCache] = None, *,
-            block_mask_btt=None, capture: Sequence[int] = (), inputs_embeds_btd=None) -> DecoderOutput:
+            block_mask_btt=None, capture: Sequence[int] = (), inputs_embeds_btd=None, slots_bt=None,
+            attn_mask_bts=None) -> DecoderOutput:
     """Run the decoder over a block of T tokens per row.
 
     capture: HF `hidden_states` indices to return: i < num_layers is the input of layer i
     (0 = embeddings), num_layers is the final-norm output.
+    slots_bt / attn_mask_bts (cached only): write the block's keys to these slots instead of
+    `length + t`, and use this [B, T, S] visibility instead of the committed-prefix + block mask
+    (drafters that keep scratch slots past the committed length use both).
     """
     b, t = tokens_bt.shape
     if positions_bt is None:
@@ -124,8 +128,9 @@ def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optio
         (x, caps), _ = jax.lax.scan(body, (x, caps0), (params["layers"], jnp.arange(cfg.num_layers)))
         new_cache = None
     else:
-        mask = attention_mask(cfg, positions_bt, cache.length, block_mask_btt, cache.max_len)
-        slots = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        mask = attn_mask_bts if attn_mask_bts is not None else attention_mask(
+            cfg, positions_bt, cache.length, block_mask_btt, cache.max_len)
+        slots = slots_bt if slots_bt is not None else cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
         def body(carry, xs):
             h, caps, k_all, v_all = carry

@@ -124,15 +124,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)).
+
+    `input_norm=False` drops the first norm (the EAGLE-1 draft layer feeds fc's output straight in)."""
 
     cfg: ModelConfig
+    input_norm: bool = True
 
     @nn.compact
     def __call__(self, x_btd, cos, sin, mask_bts, cache: Optional[tuple] = None):
         cfg = self.cfg
         dt = cfg.jnp_dtype
-        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="input_layernorm")(x_btd)
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="input_layernorm")(x_btd) if self.input_norm else x_btd
         a, cache = Attention(cfg, name="self_attn")(h, cos, sin, mask_bts, cache)
         x_btd = x_btd + a
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x_btd)

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-METHODS = ("vanilla",)
+METHODS = ("vanilla", "eagle1", "eagle2", "eagle3")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="alias, Hugging Face directory or .gguf file (default: %(default)s)")
-    p.add_argument("--method", default="vanilla", choices=METHODS, help="decoding method (default: %(default)s)")
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="decoding method (default: eagle3 when a drafter for the model is packaged, else vanilla). "
+                        "eagle1 = EAGLE-1 head + static tree; eagle2 = EAGLE-1 head + dynamic tree; "
+                        "eagle3 = EAGLE-3 head + dynamic tree")
+    p.add_argument("--drafter", default="default",
+                   help="draft head: 'default' (packaged), a directory in the released EAGLE layouts, "
+                        "'random' (seeded random head) or 'oracle' (the target drafts for itself)")
+    p.add_argument("--total-tokens", type=int, default=None, help="dynamic tree: nodes verified per step (root incl.)")
+    p.add_argument("--depth", type=int, default=None, help="dynamic tree: expansion steps")
+    p.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree: children per node and frontier width")
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter/activation dtype (float32 is fastest on CPU)")
@@ -71,10 +80,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from ..engine import Engine
+    from ..engine import Engine, default_budget, default_drafter_path
 
     try:
-        engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=args.max_cache_len)
+        method = args.method or ("eagle3" if args.drafter != "default" or default_drafter_path(args.model, "eagle3")
+                                 else "vanilla")
+        budget = None if method == "vanilla" else default_budget(method, args.total_tokens, args.depth, args.tree_top_k)
+        engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=args.max_cache_len,
+                        method=method, drafter=args.drafter, budget=budget)
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         print(f"error: {e}", file=sys.stderr)
         return 2

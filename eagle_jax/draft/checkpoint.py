@@ -1,0 +1,537 @@
+"""Released EAGLE draft-head checkpoints ↔ `DraftHead`.
+
+`load_drafter` reads a head directory (config.json + model.safetensors, a sharded safetensors
+index, or a torch `pytorch_model.bin` read *without* torch by a restricted unpickler) and
+`save_drafter` writes one in the layout the released heads use, so heads trained here can be served
+by vLLM / SGLang and released heads can be used here. Every tensor is checked by name and shape
+before anything is converted; a bad checkpoint names the offending tensor.
+
+Layout facts (what the reference and the servers read; torch Linear weights are [out, in]):
+
+EAGLE-1/2 head — SafeAILab/EAGLE `eagle/model/cnets1.py` (`Model`, `LlamaDecoderLayer(config, 0)`),
+loaded by `eagle/model/ea_model.py` (torch.load of `pytorch_model.bin`, else `model.safetensors`):
+  fc.weight [d, 2d], fc.bias [d] (iff config "bias", default true; LLaMA3 heads ship "bias": false)
+  layers.0.self_attn.{q,k,v}_proj.weight [H*hd | KV*hd, d] (+ .bias if config "qkv_bias")
+  layers.0.self_attn.o_proj.weight [d, H*hd]
+  layers.0.mlp.{gate,up}_proj.weight [I, d], layers.0.mlp.down_proj.weight [d, I]
+  layers.0.post_attention_layernorm.weight [d]     (layer 0 has no input_layernorm)
+  embed_tokens.weight [V, d] (frozen copy of the target's; may be absent)
+  fc input is concat(embed(token), feature). config.json: LlamaConfig fields with
+  num_hidden_layers 1, "architectures": ["LlamaForCausalLM"], optional "bias"
+  (`eagle/train/EAGLE-LLaMA3-Instruct-8B`). SGLang (`srt/models/llama_eagle.py`,
+  LlamaForCausalLMEagle) builds fc with a bias and prepends "model."; vLLM
+  (`model_executor/models/llama_eagle.py`, EagleLlamaForCausalLM) builds fc *without* bias and
+  reads config "bias" as attention bias, so vLLM only serves "bias": false EAGLE-1 heads.
+
+EAGLE-3 head — SafeAILab/EAGLE `eagle/model/cnets.py` (`Model`, `LlamaDecoderLayeremb`),
+sgl-project/SpecForge `specforge/modeling/draft/llama3_eagle.py` (`LlamaForCausalLMEagle3`):
+  fc.weight [d, 3*Ht] (no bias; Ht = config "target_hidden_size" if present, else d)
+  midlayer.self_attn.{q,k,v}_proj.weight [H*hd | KV*hd, 2d], midlayer.self_attn.o_proj.weight [d, H*hd]
+  midlayer.mlp.{gate,up,down}_proj.weight, midlayer.{input_layernorm,hidden_norm,
+  post_attention_layernorm}.weight [d], norm.weight [d], lm_head.weight [Vd, d]
+  d2t int64 [Vd] (target id = i + d2t[i]), t2d bool [V] (buffers, saved in the state dict)
+  embed_tokens.weight [V, d] may be present (SpecForge's serving export drops it, to_sglang.py).
+  The layer attends over concat(input_layernorm(emb), hidden_norm(h)) with residual h.
+  config.json (SpecForge `configs/llama3-8B-eagle3.json`): "architectures":
+  ["LlamaForCausalLMEagle3"], model_type llama, num_hidden_layers 1, "draft_vocab_size", optional
+  "target_hidden_size", "head_dim". EAGLE's own ea_model drops d2t/t2d when Vd == V.
+  vLLM `llama_eagle3.py` renames midlayer. → layers.0., loads d2t as draft_id_to_target_id and
+  skips t2d; SGLang `llama_eagle3.py` reads d2t (hot_token_id = d2t + arange), skips t2d, and
+  builds fc with bias = config "bias" and ties lm_head to the embedding if tie_word_embeddings.
+  Fused target layers: vLLM reads top-level "eagle_aux_hidden_state_layer_ids" (then
+  eagle_config.eagle_aux_hidden_state_layer_ids; gpu_model_runner `_get_eagle3_aux_layers_from_config`)
+  as HF hidden_states indices (input of layer id); SpecForge (`algorithms/model_providers.py`,
+  default [1, N//2-1, N-4]) and SGLang (`set_eagle3_layers_to_capture`: +1) write/read the nested
+  eagle_config ids as "output of layer id" = hidden_states[id+1]. Both defaults are hidden_states
+  [2, N//2, N-3] = `default_target_layers`.
+
+Here: top-level ids are taken as hidden_states indices, nested eagle_config ids get +1; export
+writes both (nested = top-level - 1) only when the layers are not the default.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ..models.checkpoint import CheckpointError, read_safetensors_dir
+from ..models.config import ModelConfig, UnsupportedConfigError
+from .config import DraftConfig, default_target_layers
+from .heads import DraftHead, init_head
+
+__all__ = ["load_drafter", "save_drafter", "load_torch_state_dict", "drafter_state_dict", "drafter_hf_config",
+           "draft_config_from_hf", "expected_drafter_tensors", "CheckpointError", "UnsafeCheckpointError"]
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickled checkpoint references a global outside the tensor-only allow-list."""
+
+
+# ============================================================================ torch .bin reader
+_STORAGE_DTYPES = {
+    "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
+    "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32,
+    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+    "UntypedStorage": np.uint8,
+}
+_TORCH_DTYPES = {
+    "float32": np.float32, "float": np.float32, "float64": np.float64, "double": np.float64,
+    "float16": np.float16, "half": np.float16, "bfloat16": ml_dtypes.bfloat16, "int64": np.int64,
+    "long": np.int64, "int32": np.int32, "int": np.int32, "int16": np.int16, "short": np.int16,
+    "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
+}
+
+
+class _StorageKind:
+    """Stand-in for a torch storage class (or dtype) named in the pickle: only its element type."""
+
+    def __init__(self, name: str, dtype):
+        self.name, self.dtype = name, np.dtype(dtype)
+
+
+class _Storage:
+    """One storage record of the archive as a flat numpy array."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    if not isinstance(storage, _Storage):
+        raise UnsafeCheckpointError("torch checkpoint rebuilds a tensor from something that is not a storage record")
+    try:
+        offset, size, stride = int(offset), tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"malformed tensor record in torch checkpoint: {e}") from None
+    arr = storage.array
+    if len(size) != len(stride) or offset < 0 or any(s < 0 for s in size) or any(s < 0 for s in stride):
+        raise CheckpointError(f"malformed tensor record (offset {offset}, size {size}, stride {stride})")
+    if 0 in size:
+        return np.zeros(size, arr.dtype)
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if last >= arr.size:
+        raise CheckpointError(f"tensor record (offset {offset}, size {size}, stride {stride}) reads past its "
+                              f"storage of {arr.size} elements")
+    view = np.lib.stride_tricks.as_strided(arr[offset:], shape=size,
+                                           strides=tuple(s * arr.itemsize for s in stride), writeable=False)
+    return np.array(view)  # own the memory (the storage may be shared by several tensors)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    return data
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Rebuilds a torch state dict as numpy arrays; any global outside the allow-list is refused."""
+
+    def __init__(self, data: bytes, read_record: Callable[[str], bytes], big_endian: bool, source: str):
+        super().__init__(io.BytesIO(data))
+        self._read_record = read_record
+        self._big_endian = big_endian
+        self._source = source
+        self._storages: dict[str, _Storage] = {}
+
+    def find_class(self, module, name):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor
+        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+            return _rebuild_parameter
+        if module in ("torch", "torch.storage") and name in _STORAGE_DTYPES:
+            return _StorageKind(name, _STORAGE_DTYPES[name])
+        if module == "torch" and name in _TORCH_DTYPES:
+            return _StorageKind(name, _TORCH_DTYPES[name])
+        if (module, name) == ("torch", "Size"):
+            return tuple
+        raise UnsafeCheckpointError(
+            f"{self._source}: refusing to load global {module}.{name}: only tensors and state-dict containers "
+            f"are allowed in a checkpoint (convert it to safetensors if it is trusted)")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+            raise UnsafeCheckpointError(f"{self._source}: unsupported persistent record {pid!r:.80}")
+        _, kind, key, _location, numel = pid
+        if not isinstance(kind, _StorageKind):
+            raise UnsafeCheckpointError(f"{self._source}: persistent record with storage type {kind!r:.80}")
+        key = key.decode() if isinstance(key, bytes) else str(key)
+        if key not in self._storages:
+            raw = self._read_record(f"data/{key}")
+            dt = kind.dtype.newbyteorder(">") if self._big_endian and kind.dtype.itemsize > 1 else kind.dtype
+            n = int(numel)
+            if n * dt.itemsize > len(raw):
+                raise CheckpointError(f"{self._source}: storage {key} holds {len(raw)} bytes, "
+                                      f"expected {n} × {dt.itemsize}")
+            arr = np.frombuffer(raw, dtype=dt, count=n)
+            self._storages[key] = _Storage(arr.astype(kind.dtype) if dt != kind.dtype else arr)
+        return self._storages[key]
+
+
+def load_torch_state_dict(file) -> dict[str, np.ndarray]:
+    """Read a `torch.save`d state dict (zip format) as numpy arrays, without importing torch.
+
+    Only `collections.OrderedDict`, `torch._utils._rebuild_tensor_v2` / `_rebuild_parameter`, storage
+    classes and dtypes may appear in the pickle; anything else raises `UnsafeCheckpointError`.
+    """
+    file = Path(file)
+    if not zipfile.is_zipfile(file):
+        raise CheckpointError(f"{file} is a legacy (pre-zip) torch checkpoint, which eagle_jax does not unpickle; "
+                              f"re-save it with torch.save (torch>=1.6) or convert it to safetensors")
+    with zipfile.ZipFile(file) as z:
+        pkls = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+        if len(pkls) != 1:
+            raise CheckpointError(f"{file}: expected one data.pkl in the torch archive, found {len(pkls)}")
+        prefix = pkls[0][: -len("data.pkl")]
+        names = set(z.namelist())
+        big = prefix + "byteorder" in names and z.read(prefix + "byteorder").strip() == b"big"
+
+        def read_record(rel: str) -> bytes:
+            if prefix + rel not in names:
+                raise CheckpointError(f"{file}: torch archive lacks record {prefix + rel!r}")
+            return z.read(prefix + rel)
+
+        try:
+            obj = _TensorUnpickler(z.read(pkls[0]), read_record, big, str(file)).load()
+        except CheckpointError:
+            raise
+        except Exception as e:  # truncated / corrupt pickle
+            raise CheckpointError(f"{file}: cannot read torch checkpoint: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, np.ndarray)
+                                               for k, v in obj.items()):
+        raise CheckpointError(f"{file}: expected a state dict of named tensors, got {type(obj).__name__}")
+    return dict(obj)
+
+
+def _read_weights(path: Path):
+    """(names, get) over a head directory's safetensors (single or sharded) or torch .bin files."""
+    if (path / "model.safetensors.index.json").exists() or any(path.glob("*.safetensors")):
+        return read_safetensors_dir(path)
+    if (path / "pytorch_model.bin").exists():
+        sd = load_torch_state_dict(path / "pytorch_model.bin")
+        return list(sd), sd.__getitem__
+    index = path / "pytorch_model.bin.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        sd = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).exists():
+                raise CheckpointError(f"shard {shard!r} listed in {index.name} is missing from {path}")
+            sd.update(load_torch_state_dict(path / shard))
+        return list(sd), sd.__getitem__
+    raise CheckpointError(f"{path} has no model.safetensors or pytorch_model.bin")
+
+
+# ============================================================================ config.json
+# Fields of released / SpecForge / vLLM EAGLE configs that `ModelConfig.from_hf_config` does not know.
+_EAGLE_FIELDS = ("bias", "qkv_bias", "draft_vocab_size", "target_hidden_size", "eagle_config",
+                 "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "fc_norm", "norm_output",
+                 "norm_before_fc")
+_EAGLE_CONFIG_KEYS = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer",
+                      "use_last_layernorm", "use_mtp_layernorm", "next_layer_regular", "parallel_draft_step",
+                      "parallel_draft_heads_num_layers"}
+
+
+def _reject_speculators(hf: Mapping):
+    if "speculators_config" in hf or "transformer_layer_config" in hf:
+        raise UnsupportedConfigError("this is a vLLM `speculators` checkpoint config; convert it back to the "
+                                     "EAGLE layout (LlamaForCausalLMEagle3 config.json) first")
+
+
+def _detect_kind(hf: Mapping, names) -> str:
+    _reject_speculators(hf)
+    archs = " ".join(hf.get("architectures") or [])
+    if "Eagle3" in archs or "draft_vocab_size" in hf:
+        return "eagle3"
+    if any(n in ("d2t", "t2d") or "midlayer." in n or "hidden_norm" in n for n in names):
+        return "eagle3"
+    return "eagle1"
+
+
+def _target_layers_from_hf(hf: Mapping, target_cfg: ModelConfig):
+    ids = hf.get("eagle_aux_hidden_state_layer_ids")
+    if ids:  # vLLM convention: HF hidden_states index (input of layer id)
+        return tuple(int(i) for i in ids)
+    nested = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:  # SpecForge / SGLang convention: output of layer id = hidden_states[id + 1]
+        return tuple(int(i) + 1 for i in nested)
+    return default_target_layers(target_cfg.num_layers)
+
+
+def draft_config_from_hf(hf: Mapping, target_cfg: ModelConfig, *, kind: Optional[str] = None,
+                         fc_bias: Optional[bool] = None, target_layers=None,
+                         dtype: Optional[str] = None) -> DraftConfig:
+    """Build a `DraftConfig` from a head's config.json dict (EAGLE fields mapped here, the rest by
+    `ModelConfig.from_hf_config`, which rejects unknown fields). The layer takes the target's dtype
+    (or `dtype`), attention implementation and tie flag (the head reuses the target's embedding)."""
+    d = dict(hf)
+    _reject_speculators(d)
+    kind = kind or _detect_kind(d, ())
+    eagle = {k: d.pop(k) for k in _EAGLE_FIELDS if k in d}
+    if d.get("model_type", "llama") != "llama":
+        raise UnsupportedConfigError(f"draft heads are Llama layers; model_type {d['model_type']!r} is not supported")
+    if d.get("num_hidden_layers", 1) != 1:
+        raise UnsupportedConfigError(f"draft heads with {d['num_hidden_layers']} layers are not supported (only 1)")
+    for k in ("norm_before_residual", "fc_norm", "norm_before_fc"):
+        if eagle.get(k):
+            raise UnsupportedConfigError(f"EAGLE-3 variant with {k}=true is not supported")
+    if eagle.get("norm_output", True) is not True:
+        raise UnsupportedConfigError("EAGLE-3 variant with norm_output=false is not supported")
+    ec = eagle.get("eagle_config") or {}
+    if not isinstance(ec, Mapping):
+        raise UnsupportedConfigError(f"eagle_config must be an object, got {type(ec).__name__}")
+    unknown = sorted(set(ec) - _EAGLE_CONFIG_KEYS)
+    if unknown:
+        raise UnsupportedConfigError(f"unsupported eagle_config field(s): {', '.join(unknown)}")
+    if ec.get("use_aux_hidden_state") is False or ec.get("use_input_layernorm_in_first_layer") is False \
+            or ec.get("use_last_layernorm") is False or ec.get("use_mtp_layernorm") \
+            or (ec.get("parallel_draft_step") or 1) != 1:
+        raise UnsupportedConfigError(f"eagle_config {dict(ec)} describes a head variant that is not supported")
+    d.setdefault("vocab_size", target_cfg.vocab_size)
+    try:
+        layer = ModelConfig.from_hf_config(d)
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"draft head config: {e}") from None
+    if "qkv_bias" in eagle:
+        layer = layer.replace(qkv_bias=bool(eagle["qkv_bias"]))
+    layer = layer.replace(num_layers=1, dtype=dtype or target_cfg.dtype, attention_impl=target_cfg.attention_impl,
+                          tie_word_embeddings=target_cfg.tie_word_embeddings)
+    if kind == "eagle3":
+        th = int(eagle.get("target_hidden_size") or layer.hidden_size)
+        if th != target_cfg.hidden_size:
+            raise CheckpointError(f"EAGLE-3 head fuses target features of width {th}, the target's hidden size is "
+                                  f"{target_cfg.hidden_size}")
+        layers = tuple(target_layers) if target_layers is not None else _target_layers_from_hf(eagle, target_cfg)
+        bad = [i for i in layers if not 0 <= i <= target_cfg.num_layers]
+        if bad:
+            raise CheckpointError(f"EAGLE-3 target layer(s) {bad} outside the target's hidden states "
+                                  f"0..{target_cfg.num_layers}")
+        return DraftConfig("eagle3", layer, fc_bias=bool(fc_bias),
+                           draft_vocab_size=int(eagle.get("draft_vocab_size") or layer.vocab_size),
+                           target_layers=layers, target_hidden_size=th)
+    if kind != "eagle1":
+        raise UnsupportedConfigError(f"draft kind must be 'eagle1' or 'eagle3', got {kind!r}")
+    return DraftConfig("eagle1", layer, fc_bias=bool(eagle.get("bias", True)) if fc_bias is None else fc_bias)
+
+
+def _rope_scaling_field(layer: ModelConfig):
+    rs = layer.rope_scaling
+    if rs.kind == "default":
+        return None
+    if rs.kind == "linear":
+        return {"rope_type": "linear", "factor": rs.factor}
+    return {"rope_type": rs.kind, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings}
+
+
+def drafter_hf_config(head: DraftHead, target_cfg: ModelConfig, dtype: Optional[str] = None) -> dict:
+    """The head's config.json in the released layout (see the module docstring)."""
+    cfg, lc = head.cfg, head.cfg.layer
+    if lc.qk_norm or lc.sliding_window or lc.family != "llama":
+        raise UnsupportedConfigError("only plain Llama draft layers can be exported")
+    if lc.o_bias and not lc.qkv_bias:
+        raise UnsupportedConfigError("an o_proj bias without q/k/v biases has no config.json spelling")
+    d = {
+        "architectures": ["LlamaForCausalLMEagle3" if cfg.kind == "eagle3" else "LlamaForCausalLM"],
+        "model_type": "llama", "vocab_size": lc.vocab_size, "hidden_size": lc.hidden_size,
+        "intermediate_size": lc.intermediate_size, "num_hidden_layers": 1, "num_attention_heads": lc.num_heads,
+        "num_key_value_heads": lc.num_kv_heads, "head_dim": lc.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": lc.max_position_embeddings, "rms_norm_eps": lc.rms_norm_eps,
+        "rope_theta": lc.rope_theta, "rope_scaling": _rope_scaling_field(lc), "pretraining_tp": 1,
+        # EAGLE-3 has its own lm_head: SGLang would tie it to the embedding if this were true.
+        "tie_word_embeddings": False if cfg.kind == "eagle3" else target_cfg.tie_word_embeddings,
+        "attention_bias": bool(lc.o_bias), "mlp_bias": bool(lc.mlp_bias), "bias": bool(cfg.fc_bias),
+        "torch_dtype": dtype or lc.dtype,
+    }
+    if lc.qkv_bias and not lc.o_bias:
+        d["qkv_bias"] = True
+    if cfg.kind == "eagle3":
+        d["draft_vocab_size"] = cfg.draft_vocab_size
+        if cfg.target_hidden_size not in (None, lc.hidden_size):
+            d["target_hidden_size"] = cfg.target_hidden_size
+        layers = tuple(cfg.target_layers)
+        if layers != tuple(default_target_layers(target_cfg.num_layers)):
+            d["eagle_aux_hidden_state_layer_ids"] = list(layers)
+            if min(layers) >= 1:
+                d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]}
+    return d
+
+
+# ============================================================================ tensors
+def _layout(cfg: DraftConfig):
+    """Yield (reference name, reference shape, flax path) for every parameter of the head."""
+    shapes = jax.eval_shape(lambda: init_head(cfg, jax.random.PRNGKey(0)).params)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        keys = tuple(p.key for p in path)
+        mods = ["layers.0" if keys[0] == "layer" else keys[0], *keys[1:-1]]
+        if keys[-1] == "kernel":
+            yield ".".join(mods) + ".weight", tuple(leaf.shape[::-1]), keys
+        elif keys[-1] == "scale":
+            yield ".".join(mods) + ".weight", tuple(leaf.shape), keys
+        else:
+            yield ".".join(mods) + "." + keys[-1], tuple(leaf.shape), keys
+
+
+def expected_drafter_tensors(cfg: DraftConfig) -> dict[str, tuple]:
+    """Reference tensor name → shape for a head (EAGLE-3 includes the d2t / t2d buffers)."""
+    out = {name: shape for name, shape, _ in _layout(cfg)}
+    if cfg.kind == "eagle3":
+        out["d2t"] = (cfg.draft_vocab_size,)
+        out["t2d"] = (cfg.vocab_size,)
+    return out
+
+
+def _canonical_names(names, kind: str) -> dict[str, str]:
+    """Reference name → name in the file, accepting vLLM-style `model.` prefixes and `layers.0.` for
+    EAGLE-3's `midlayer.`."""
+    out: dict[str, str] = {}
+    for n in names:
+        c = n[len("model."):] if n.startswith("model.") else n
+        if kind == "eagle3" and c.startswith("layers.0."):
+            c = "midlayer." + c[len("layers.0."):]
+        if c in out:
+            raise CheckpointError(f"checkpoint holds both {out[c]!r} and {n!r} for tensor {c!r}")
+        out[c] = n
+    return out
+
+
+def _np_dtype(name: str):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, target_layers=None,
+                 dtype: Optional[str] = None) -> DraftHead:
+    """Load a released-layout EAGLE-1/2 or EAGLE-3 head from a directory for `target_cfg`.
+
+    `kind` ("eagle1"/"eagle3") overrides detection (architectures, draft_vocab_size, tensor names);
+    `target_layers` (HF hidden_states indices) overrides the fused layers of an EAGLE-3 head;
+    `dtype` defaults to the target's. Raises CheckpointError naming a missing / misshapen /
+    unexpected tensor or an incompatibility with the target, UnsupportedConfigError for config.json.
+    """
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path} has no config.json")
+    hf = json.loads(cfg_file.read_text())
+    names, get = _read_weights(path)
+    kind = kind or _detect_kind(hf, names)
+    files = _canonical_names(names, kind)
+    fc_bias = ("fc.bias" in files) if kind == "eagle3" else None
+    cfg = draft_config_from_hf(hf, target_cfg, kind=kind, fc_bias=fc_bias, target_layers=target_layers, dtype=dtype)
+    lc = cfg.layer
+    if lc.vocab_size != target_cfg.vocab_size:
+        raise CheckpointError(f"draft head is for a vocabulary of {lc.vocab_size} tokens, the target has "
+                              f"{target_cfg.vocab_size}")
+    if lc.hidden_size != target_cfg.hidden_size:
+        raise CheckpointError(f"draft head width {lc.hidden_size} differs from the target's hidden size "
+                              f"{target_cfg.hidden_size} (the head embeds tokens with the target's embedding)")
+
+    layout = list(_layout(cfg))
+    expected = {n for n, _, _ in layout}
+    optional = {"embed_tokens.weight"} | ({"d2t", "t2d"} if cfg.kind == "eagle3" else set())
+    missing = [n for n, _, _ in layout if n not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{cfg.kind} head checkpoint is missing tensor {missing[0]!r}{more}")
+    unexpected = sorted(files[c] for c in files
+                        if c not in expected and c not in optional and not c.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{cfg.kind} head checkpoint has unexpected tensor {unexpected[0]!r}{more}")
+
+    def fetch(name, shape):
+        arr = np.asarray(get(files[name]))
+        if tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {files[name]!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+        return arr
+
+    if "embed_tokens.weight" in files:  # the target's embedding is used; only check it is the target's shape
+        fetch("embed_tokens.weight", (target_cfg.vocab_size, target_cfg.hidden_size))
+    dt = _np_dtype(lc.dtype)
+    params: dict = {}
+    for name, shape, keys in layout:
+        arr = fetch(name, shape)
+        arr = (arr.T if keys[-1] == "kernel" else arr).astype(dt)
+        node = params
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = jnp.asarray(arr)
+
+    d2t = None
+    if cfg.kind == "eagle3":
+        vd, v = cfg.draft_vocab_size, cfg.vocab_size
+        if "d2t" in files:
+            d2t = fetch("d2t", (vd,))
+            if d2t.dtype.kind not in "iu":
+                raise CheckpointError(f"tensor {files['d2t']!r} has dtype {d2t.dtype}, expected an integer type")
+            d2t = d2t.astype(np.int64)
+        elif vd == v:
+            d2t = np.zeros((vd,), np.int64)
+        else:
+            raise CheckpointError(f"eagle3 head checkpoint is missing tensor 'd2t' (draft vocab {vd} < vocab {v})")
+        target_ids = np.arange(vd) + d2t
+        if target_ids.min() < 0 or target_ids.max() >= v or len(np.unique(target_ids)) != vd:
+            raise CheckpointError(f"tensor 'd2t' maps draft ids outside [0, {v}) or twice onto one target id")
+        if "t2d" in files:
+            t2d = fetch("t2d", (v,)).astype(bool)
+            if t2d.sum() != vd or not t2d[target_ids].all():
+                raise CheckpointError("tensors 't2d' and 'd2t' disagree on which target tokens the draft vocab holds")
+        d2t = jnp.asarray(d2t, jnp.int32)
+    return DraftHead(params, d2t, cfg)
+
+
+def drafter_state_dict(head: DraftHead, dtype: Optional[str] = None) -> dict[str, np.ndarray]:
+    """The head's tensors under the reference names and layouts (torch Linear [out, in]), stored in
+    `dtype` (default: the head's); EAGLE-3 adds d2t int64 and t2d bool."""
+    cfg = head.cfg
+    dt = _np_dtype(dtype or cfg.layer.dtype)
+    out = {}
+    for name, _, keys in _layout(cfg):
+        node = head.params
+        for k in keys:
+            node = node[k]
+        arr = np.asarray(jax.device_get(node))
+        out[name] = np.ascontiguousarray((arr.T if keys[-1] == "kernel" else arr).astype(dt))
+    if cfg.kind == "eagle3":
+        d2t = np.asarray(jax.device_get(head.d2t), np.int64)
+        t2d = np.zeros((cfg.vocab_size,), bool)
+        t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
+        out["d2t"], out["t2d"] = d2t, t2d
+    return out
+
+
+def save_drafter(path, head: DraftHead, target_cfg: ModelConfig, format: str = "safetensors",
+                 dtype: Optional[str] = None) -> Path:
+    """Write config.json + model.safetensors in the released layout; returns the directory.
+
+    `dtype` ("float32"/"bfloat16"/"float16") is the storage dtype (default: the head's). Only
+    safetensors is written (what vLLM / SGLang / EAGLE's ea_model read); `.bin` would need torch.
+    """
+    from safetensors.numpy import save_file
+
+    if format != "safetensors":
+        raise ValueError(f"save_drafter writes safetensors only (got format={format!r}); "
+                         f"vLLM, SGLang and EAGLE's ea_model all read model.safetensors")
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    cfg = head.cfg
+    if cfg.vocab_size != target_cfg.vocab_size or cfg.hidden_size != target_cfg.hidden_size:
+        raise CheckpointError(f"head (vocab {cfg.vocab_size}, width {cfg.hidden_size}) does not fit the target "
+                              f"(vocab {target_cfg.vocab_size}, hidden {target_cfg.hidden_size})")
+    hf = drafter_hf_config(head, target_cfg, dtype)
+    tensors = drafter_state_dict(head, dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf, indent=2))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

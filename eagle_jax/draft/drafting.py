@@ -1,0 +1,186 @@
+"""Drafting a tree with a head: EAGLE-1 static trees and EAGLE-2 dynamic trees, static shapes.
+
+Both start from `h_root` [B, d], the head's output at draft position P-1 (it has consumed the
+root token t_P), whose logits propose the root's children. Frontier nodes of tree level i are fed
+back at draft position P + i - 1, their keys written to the draft cache's scratch slots past the
+committed length (slot P + (i-1)·W + j), where each node attends to the committed prefix, its
+ancestors' scratch slots and itself. Nothing here advances the draft cache: after verification the
+accepted path is re-run over those slots (`speculative.py`).
+
+Output of both: `Tree(tokens_bn, parents_bn, valid_bn)` — node 0 is the root, parents precede
+children, siblings in draft-rank order (the contract of `eagle_jax.tree`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..models.decoder import KVCache
+from ..tree import StaticTree, rerank
+from .heads import DraftHead, head_logits, head_step, to_target_ids
+
+
+class Tree(NamedTuple):
+    tokens_bn: jax.Array  # [B, N] target token ids; node 0 = root
+    parents_bn: jax.Array  # [B, N] parent node index, -1 for the root
+    valid_bn: jax.Array  # [B, N] real nodes (padding never attends or is attended)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBudget:
+    """Static shape of a speculative step (a hashable jit static argument).
+
+    dynamic (EAGLE-2): `depth` expansion steps of `top_k` frontier nodes, reranked to the best
+    `total_tokens` nodes (root included); tree depth ≤ depth + 1.
+    static (EAGLE-1): the fixed tree `static_tree`; total_tokens = its node count.
+    """
+
+    kind: str = "dynamic"
+    total_tokens: int = 24
+    depth: int = 5
+    top_k: int = 4
+    static_tree: Optional[StaticTree] = None
+
+    def __post_init__(self):
+        if self.kind not in ("dynamic", "static"):
+            raise ValueError(f"tree kind must be 'dynamic' or 'static', got {self.kind!r}")
+        if self.kind == "static":
+            if self.static_tree is None:
+                raise ValueError("a static tree budget needs static_tree")
+            object.__setattr__(self, "total_tokens", self.static_tree.num_nodes)
+            object.__setattr__(self, "depth", self.static_tree.depth)
+            object.__setattr__(self, "top_k", self.static_tree.top_k)
+        else:
+            if self.top_k < 1 or self.depth < 1:
+                raise ValueError(f"top_k and depth must be >= 1, got top_k={self.top_k}, depth={self.depth}")
+            most = 1 + self.top_k + self.depth * self.top_k ** 2
+            if not 2 <= self.total_tokens <= most:
+                raise ValueError(f"total_tokens must be in [2, {most}] for top_k={self.top_k}, depth={self.depth}; "
+                                 f"got {self.total_tokens}")
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest node below the root: the most draft tokens one step can accept."""
+        return self.depth if self.kind == "static" else self.depth + 1
+
+    @property
+    def scratch(self) -> int:
+        """Draft-cache slots the expansion writes past the committed length."""
+        if self.kind == "static":
+            return sum(len(lv) for lv in self.static_tree.levels()[:-1]) or 1
+        return self.depth * self.top_k
+
+
+def _scratch_mask(length_b, max_len: int, scratch_visible_bws, offset_w: int):
+    """[B, W, S] visibility: committed slots plus the scratch slots each query may see."""
+    b, w, n_scr = scratch_visible_bws.shape
+    s = jnp.arange(max_len)[None, None, :]
+    rel = s - length_b[:, None, None]
+    committed = rel < 0
+    idx = jnp.clip(rel, 0, n_scr - 1)
+    scr = jnp.take_along_axis(scratch_visible_bws, jnp.broadcast_to(idx, (b, w, max_len)), axis=2)
+    return committed | ((rel >= 0) & (rel < n_scr) & scr)
+
+
+def _log_probs(head, target_params, target_cfg, h):
+    return jax.nn.log_softmax(head_logits(head, target_params, target_cfg, h), axis=-1)
+
+
+def draft_dynamic(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,
+                  budget: TreeBudget) -> Tree:
+    """EAGLE-2: expand the top_k frontier by path value (sum of log-probs) for `depth` steps, then keep
+    the best total_tokens - 1 candidates (plus the root)."""
+    k, depth = budget.top_k, budget.depth
+    b = h_root_bd.shape[0]
+    embed = target_params["embed_tokens"]["embedding"]
+    p0, i0 = jax.lax.top_k(_log_probs(head, target_params, target_cfg, h_root_bd), k)  # B K
+    tok0 = to_target_ids(head, i0)
+    n_scr = depth * k
+    pos0 = cache.length  # level-1 nodes sit at draft position P (they predict target position P+2)
+
+    def level(carry, i):
+        tok_f, h_f, score_f, cand_f, vis_f, cache = carry
+        slots = cache.length[:, None] + i * k + jnp.arange(k)[None, :]
+        mask = _scratch_mask(cache.length, cache.max_len, vis_f, 0)
+        h_out, cache = head_step(head, embed, tok_f, h_f, jnp.broadcast_to((pos0 + i)[:, None], (b, k)), cache,
+                                 slots, mask)
+        tp, ti = jax.lax.top_k(_log_probs(head, target_params, target_cfg, h_out), k)  # B K K
+        cu = (tp + score_f[:, :, None]).reshape(b, k * k)
+        toks = to_target_ids(head, ti).reshape(b, k * k)
+        parent = jnp.repeat(cand_f, k, axis=1)  # candidate index of each child's parent
+        sel_score, sel = jax.lax.top_k(cu, k)
+        rows = sel // k
+        nxt_vis = jnp.take_along_axis(vis_f, rows[:, :, None], axis=1)
+        own = jax.nn.one_hot((i + 1) * k + jnp.arange(k), n_scr, dtype=bool)[None]
+        nxt = (jnp.take_along_axis(toks, sel, axis=1), jnp.take_along_axis(h_out, rows[:, :, None], axis=1),
+               sel_score, k + i * k * k + sel, nxt_vis | own, cache)
+        return nxt, (toks, cu, parent)
+
+    vis0 = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(k), n_scr, dtype=bool)[None], (b, k, n_scr))
+    h0 = jnp.broadcast_to(h_root_bd[:, None, :], (b, k, h_root_bd.shape[-1]))
+    init = (tok0, h0, p0, jnp.broadcast_to(jnp.arange(k)[None], (b, k)), vis0, cache)
+    _, (toks, scores, parents) = jax.lax.scan(level, init, jnp.arange(depth))
+    flat = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, depth * k * k)
+    cand_tok = jnp.concatenate([tok0, flat(toks)], axis=1)
+    cand_score = jnp.concatenate([p0, flat(scores)], axis=1)
+    cand_parent = jnp.concatenate([jnp.full((b, k), -1, jnp.int32), flat(parents).astype(jnp.int32)], axis=1)
+    return Tree(*rerank(cand_tok, cand_score, cand_parent, root_b, budget.total_tokens))
+
+
+def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,
+                 budget: TreeBudget) -> Tree:
+    """EAGLE-1: fill a fixed tree level by level; a node is its parent's rank-r draft token."""
+    tree = budget.static_tree
+    b = h_root_bd.shape[0]
+    embed = target_params["embed_tokens"]["embedding"]
+    levels = tree.levels()
+    parents = np.asarray(tree.parents)
+    ranks = np.asarray(tree.ranks)
+    n = tree.num_nodes
+    tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(root_b)
+    # Scratch slot of each node that is fed to the head (every level but the last), and its
+    # static visibility (ancestors' and own scratch slots).
+    fed = [int(x) for lv in levels[:-1] for x in lv]
+    slot_of = {node: i for i, node in enumerate(fed)}
+    n_scr = max(len(fed), 1)
+    vis = np.zeros((n, n_scr), bool)
+    for node in fed:
+        a = node
+        while a > 0:
+            vis[node, slot_of[a]] = True
+            a = parents[a]
+    logp = _log_probs(head, target_params, target_cfg, h_root_bd)  # B V
+    top_i = jax.lax.top_k(logp, tree.top_k)[1]  # children of the root by rank
+    lv1 = np.asarray(levels[0])
+    tokens = tokens.at[:, lv1].set(to_target_ids(head, top_i[:, ranks[lv1]]))
+    h_prev, parent_pos = h_root_bd, None
+    for d in range(1, len(levels)):
+        nodes_prev = np.asarray(levels[d - 1])
+        w = len(nodes_prev)
+        slots = cache.length[:, None] + jnp.asarray([slot_of[int(x)] for x in nodes_prev])[None, :]
+        mask = _scratch_mask(cache.length, cache.max_len, jnp.broadcast_to(jnp.asarray(vis[nodes_prev])[None],
+                                                                          (b, w, n_scr)), 0)
+        h_in = (jnp.broadcast_to(h_root_bd[:, None], (b, w, h_root_bd.shape[-1])) if d == 1
+                else jnp.take(h_prev, jnp.asarray(parent_pos), axis=1))
+        h_out, cache = head_step(head, embed, tokens[:, nodes_prev], h_in,
+                                 jnp.broadcast_to((cache.length + d - 1)[:, None], (b, w)), cache, slots, mask)
+        top_i = jax.lax.top_k(_log_probs(head, target_params, target_cfg, h_out), tree.top_k)[1]  # B W K
+        nodes = np.asarray(levels[d])
+        pos_in_prev = {int(x): j for j, x in enumerate(nodes_prev)}
+        parent_pos = [pos_in_prev[int(parents[x])] for x in nodes]
+        picked = top_i[:, jnp.asarray(parent_pos), jnp.asarray(ranks[nodes])]
+        tokens = tokens.at[:, nodes].set(to_target_ids(head, picked))
+        h_prev = h_out
+    par = jnp.broadcast_to(jnp.asarray(parents, jnp.int32)[None], (b, n))
+    return Tree(tokens, par, jnp.ones((b, n), bool))
+
+
+def draft_tree(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,
+               budget: TreeBudget) -> Tree:
+    fn = draft_static if budget.kind == "static" else draft_dynamic
+    return fn(head, target_params, target_cfg, h_root_bd, root_b, cache, budget)

@@ -1,0 +1,157 @@
+"""Speculative generation with an EAGLE head: draft a tree, verify it in one target pass, accept
+losslessly, commit the accepted path, re-draft — one jitted function per (batch, cache length,
+tree budget), every step on device.
+
+Per step, with P the committed length and the root t_P already chosen (not yet in the cache):
+  1. draft a tree of N nodes (root = t_P) from the head's state h_root;
+  2. one target pass over the N nodes at positions P + depth under the ancestor mask (keys/values
+     land in cache slots P..P+N-1);
+  3. accept: greedy (longest path of target argmaxes) or lossless sampling (drafts are deterministic
+     top-k tokens, so recursive rejection over a node's children reduces to drawing t ~ p and
+     following the child whose token is t); the result is m accepted draft tokens plus a bonus;
+  4. move the accepted path's keys/values to slots P..P+m; the committed length becomes P+m+1;
+  5. run the head over the m+1 new positions (target features of the path, tokens shifted by one),
+     which commits its own KV and gives the next h_root; the bonus becomes the next root.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .decoding import TRACE_COUNTS, prefill
+from .draft.drafting import TreeBudget, draft_tree
+from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
+from .models.config import ModelConfig
+from .models.decoder import KVCache, forward, lm_logits
+from .sampling import SamplingParams, sample
+from .tree import accept_from_logits, ancestor_mask, node_depths
+
+
+class SpecOutput(NamedTuple):
+    tokens: jax.Array  # [B, S] prompt then generated tokens
+    length: jax.Array  # [B]
+    num_new: jax.Array  # [B] generated tokens (EOS included)
+    target_calls: jax.Array  # [B] target passes that produced tokens (prefill's included)
+    accept_lengths: jax.Array  # [B, S] tokens produced per verification step (0 after the last)
+    steps: jax.Array  # [] verification steps run
+
+
+def target_capture(tcfg: ModelConfig, head: DraftHead) -> tuple[int, ...]:
+    """Target hidden states the head consumes: final-norm output (EAGLE-1) or the fused layers."""
+    return tuple(head.cfg.target_layers) if head.cfg.kind == "eagle3" else (tcfg.num_layers,)
+
+
+def _features(captured) -> jax.Array:
+    return captured[0] if len(captured) == 1 else jnp.concatenate(captured, axis=-1)
+
+
+def draft_prefill(head: DraftHead, target_params, feats_bsf, tokens_bs, prompt_len_b, root_b, cache: KVCache,
+                  chunk: int):
+    """Run the head over prompt positions 0..P-1: feature f_j with token t_{j+1} (t_P = root).
+
+    Returns (draft cache with length P, h_root [B, d] = the head's output at position P-1)."""
+    b, s = tokens_bs.shape
+    embed = target_params["embed_tokens"]["embedding"]
+    rows = jnp.arange(b)
+    nxt = jnp.concatenate([tokens_bs[:, 1:], jnp.zeros((b, 1), tokens_bs.dtype)], axis=1)
+    nxt = nxt.at[rows, prompt_len_b - 1].set(root_b)
+    nxt = jnp.pad(nxt, ((0, 0), (0, chunk)))
+    feats = jnp.pad(feats_bsf, ((0, 0), (0, chunk), (0, 0)))
+    last = prompt_len_b - 1
+    n_chunks = (jnp.max(prompt_len_b) + chunk - 1) // chunk
+
+    def body(st):
+        i, cache, h_root = st
+        start = i * chunk
+        toks = jax.lax.dynamic_slice_in_dim(nxt, start, chunk, axis=1)
+        f = fuse_features(head, jax.lax.dynamic_slice_in_dim(feats, start, chunk, axis=1))
+        pos = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32)[None, :], (b, chunk))
+        h, cache = head_step(head, embed, toks, f, pos, cache)
+        rel = jnp.clip(last - start, 0, chunk - 1)
+        in_chunk = (last >= start) & (last < start + chunk)
+        h_root = jnp.where(in_chunk[:, None], h[rows, rel], h_root)
+        return i + 1, cache.advance(jnp.clip(prompt_len_b - start, 0, chunk)), h_root
+
+    h0 = jnp.zeros((b, head.cfg.hidden_size), head.cfg.layer.jnp_dtype)
+    _, cache, h_root = jax.lax.while_loop(lambda st: st[0] < n_chunks, body, (jnp.int32(0), cache, h0))
+    return cache, h_root
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
+def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens,
+                         eos_ids, sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int = 64) -> SpecOutput:
+    """Generate up to `max_new_tokens` per row with EAGLE speculation (same contract as
+    `decoding.generate_tokens`: tokens_bs [B, S] left-aligned prompts, S static)."""
+    TRACE_COUNTS["speculative"] = TRACE_COUNTS.get("speculative", 0) + 1
+    b, s = tokens_bs.shape
+    n, depth = budget.total_tokens, budget.max_depth
+    rows = jnp.arange(b)
+    j = jnp.arange(depth + 1)
+    capture = target_capture(tcfg, head)
+    embed = target_params["embed_tokens"]["embedding"]
+
+    tcache = KVCache.create(tcfg, b, s + n)
+    tcache, logits, feats = prefill(target_params, tcfg, tokens_bs, prompt_len_b, tcache, prefill_chunk, capture)
+    root = sample(jax.random.fold_in(key, 0), logits, sp)
+    dcache = seed_draft_cache(head, tokens_bs, create_draft_cache(head.cfg, b, s + budget.scratch + depth + 1))
+    dcache, h_root = draft_prefill(head, target_params, _features(feats), tokens_bs, prompt_len_b, root, dcache,
+                                   prefill_chunk)
+
+    is_eos = lambda t: jnp.any(t[..., None] == eos_ids, axis=-1)
+    live = max_new_tokens > 0
+    tokens = tokens_bs.at[rows, jnp.where(live, prompt_len_b, s)].set(root, mode="drop")
+    num_new = jnp.full((b,), live, jnp.int32)
+    length = prompt_len_b + num_new
+    done = ~live | is_eos(root) | (num_new >= max_new_tokens) | (length >= s)
+    calls = num_new
+
+    def body(st):
+        step, tcache, dcache, root, h_root, tokens, length, num_new, done, calls, acc = st
+        k_step = jax.random.fold_in(key, step + 1)
+        p = tcache.length
+        tree = draft_tree(head, target_params, tcfg, h_root, root, dcache, budget)
+        depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
+        out = forward(target_params, tcfg, tree.tokens_bn, p[:, None] + depth_bn, tcache,
+                      block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth), capture=capture)
+        acc_res = accept_from_logits(k_step, *tree, lm_logits(target_params, tcfg, out.hidden), sp, depth)
+        m = jnp.where(done, 0, acc_res.num_accepted_b)
+        path = jnp.where(acc_res.path_bd >= 0, acc_res.path_bd, 0)
+
+        # Commit the accepted path's keys/values to contiguous slots P..P+m.
+        src, dst = p[:, None] + path, p[:, None] + j[None, :]
+        k_all = out.cache.k.at[:, rows[:, None], dst].set(out.cache.k[:, rows[:, None], src], mode="drop")
+        v_all = out.cache.v.at[:, rows[:, None], dst].set(out.cache.v[:, rows[:, None], src], mode="drop")
+        tcache = out.cache.replace(k=k_all, v=v_all, length=p + jnp.where(done, 0, m + 1))
+
+        # Tokens produced: the accepted drafts, then the bonus; cut at EOS, the budget, the buffer.
+        path_tok = jnp.take_along_axis(tree.tokens_bn, path, axis=1)
+        nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((b, 1), path_tok.dtype)], axis=1)
+        emitted = jnp.where(j < m[:, None], nxt, jnp.where(j == m[:, None], acc_res.bonus_b[:, None], 0))
+        eos_hit = is_eos(emitted) & (j <= m[:, None])
+        count = jnp.where(jnp.any(eos_hit, 1), jnp.argmax(eos_hit, 1) + 1, m + 1)
+        count = jnp.minimum(count, jnp.minimum(max_new_tokens - num_new, s - length))
+        count = jnp.where(done, 0, count)
+        write = jnp.where(j[None, :] < count[:, None], length[:, None] + j[None, :], s)
+        tokens = tokens.at[rows[:, None], write].set(emitted, mode="drop")
+        acc = acc.at[rows, jnp.where(done, s, step)].set(m + 1, mode="drop")
+        calls = calls + ~done
+        length, num_new = length + count, num_new + count
+        done = done | jnp.any(eos_hit, 1) | (num_new >= max_new_tokens) | (length >= s)
+
+        # The head consumes the path's target features with the next tokens (t_{P+1}..t_{P+m+1}).
+        feat = jnp.take_along_axis(_features(out.captured), path[:, :, None], axis=1)
+        h, dcache = head_step(head, embed, emitted, fuse_features(head, feat), p[:, None] + j[None, :], dcache)
+        dcache = dcache.replace(length=tcache.length)
+        h_root = jnp.where(done[:, None], h_root, h[rows, m])
+        root = jnp.where(done, root, acc_res.bonus_b)
+        return step + 1, tcache, dcache, root, h_root, tokens, length, num_new, done, calls, acc
+
+    acc0 = jnp.zeros((b, s), jnp.int32)
+    st = (jnp.int32(0), tcache, dcache, root, h_root, tokens, length, num_new, done, calls, acc0)
+    st = jax.lax.while_loop(lambda st: ~jnp.all(st[8]), body, st)
+    step, _, _, _, _, tokens, length, num_new, _, calls, acc = st
+    return SpecOutput(tokens, length, num_new, calls, acc, step)

@@ -1,0 +1,134 @@
+"""Speculative decoding on a tiny target: greedy output identical to plain greedy for every
+method and head; sampled output distributed as the target's; one compile per budget."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax import speculative
+from eagle_jax.decoding import TRACE_COUNTS, generate_tokens, pack_prompts
+from eagle_jax.draft import DraftConfig, TreeBudget, init_head, oracle_head
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.speculative import speculative_generate
+from eagle_jax.tree import DEFAULT_STATIC_TREE
+from test_sampling import _chi2_pvalue
+
+DYNAMIC = TreeBudget("dynamic", total_tokens=12, depth=4, top_k=3)
+STATIC = TreeBudget("static", static_tree=DEFAULT_STATIC_TREE)
+
+
+def _heads(cfg, params):
+    d2t = np.zeros(60, np.int32)
+    d2t[30:] = 20  # draft ids 30..59 map to target ids 50..79: a real reduced vocabulary
+    return {
+        "oracle": oracle_head(cfg, params),
+        "eagle1-random": init_head(DraftConfig.for_target("eagle1", cfg), jax.random.PRNGKey(1)),
+        "eagle3-random": init_head(DraftConfig.for_target("eagle3", cfg, draft_vocab_size=60),
+                                   jax.random.PRNGKey(2), d2t=d2t),
+        "oracle-draft-vocab": oracle_head(cfg, params, d2t=d2t),
+    }
+
+
+def _run(fn, params, cfg, prompts, max_new, eos=(-1,), sp=None, seed=0, cache_len=96, **kw):
+    toks, lens = pack_prompts(prompts, cache_len)
+    sp = sp or SamplingParams.create(len(prompts))
+    head = (kw.pop("head"),) if "head" in kw else ()
+    return fn(params, cfg, *head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new),
+              jnp.asarray(eos, jnp.int32), sp, jax.random.PRNGKey(seed), prefill_chunk=16, **kw), lens
+
+
+def _rows(out, lens):
+    return [np.asarray(out.tokens[i, lens[i]:out.length[i]]).tolist() for i in range(len(lens))]
+
+
+@pytest.mark.parametrize("head_name", ["oracle", "eagle1-random", "eagle3-random", "oracle-draft-vocab"])
+@pytest.mark.parametrize("budget", [DYNAMIC, STATIC], ids=["dynamic", "static"])
+def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, rng):
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)[head_name]
+    prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 33)]
+    ref, lens = _run(generate_tokens, params, cfg, prompts, 40)
+    out, _ = _run(speculative_generate, params, cfg, prompts, 40, head=head, budget=budget)
+    assert _rows(out, lens) == _rows(ref, lens)
+    # Bookkeeping: one prefill call, then one per step; accept lengths add up to the tokens.
+    acc = np.asarray(out.accept_lengths)
+    for i in range(3):
+        steps = int((acc[i] > 0).sum())
+        assert int(out.target_calls[i]) == steps + 1
+        assert acc[i].sum() + 1 >= int(out.num_new[i]) > acc[i].sum() - budget.max_depth - 1
+    if head_name == "oracle" and budget is STATIC:  # the rank-0 chain is the target's own greedy chain
+        assert all((a[a > 0][:-1] == budget.max_depth + 1).all() for a in acc)
+
+
+def test_eos_inside_an_accepted_run_stops_there(tiny_llama):
+    _, cfg, params = tiny_llama
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    free, lens = _run(generate_tokens, params, cfg, prompts, 30)
+    eos = _rows(free, lens)[0][9]
+    ref, _ = _run(generate_tokens, params, cfg, prompts, 30, eos=(eos,))
+    out, _ = _run(speculative_generate, params, cfg, prompts, 30, eos=(eos,), head=oracle_head(cfg, params),
+                  budget=STATIC)
+    assert _rows(out, lens) == _rows(ref, lens)
+    assert _rows(out, lens)[0][-1] == eos
+
+
+def test_one_compile_per_budget(tiny_llama):
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)["eagle1-random"]
+    _run(speculative_generate, params, cfg, [[1, 2, 3]], 5, head=head, budget=DYNAMIC)
+    before = TRACE_COUNTS["speculative"]
+    for i, (p, n, t) in enumerate([([4, 5, 6, 7], 30, 0.0), ([9] * 20, 12, 0.7), ([3], 50, 1.2)]):
+        out, _ = _run(speculative_generate, params, cfg, [p], n, head=head, budget=DYNAMIC, seed=i,
+                      sp=SamplingParams.create(1, t, 0.9, 20))
+        assert int(out.steps) > 3  # many steps, one compiled function
+    assert TRACE_COUNTS["speculative"] == before
+    _run(speculative_generate, params, cfg, [[1, 2, 3]], 5, head=head, budget=STATIC)
+    assert TRACE_COUNTS["speculative"] == before + 1
+
+
+def _exact_three_tokens(params, cfg, prompt, sp1):
+    """P(t1, t2, t3) of the target, enumerated."""
+    from eagle_jax.models.decoder import forward, lm_logits
+    from eagle_jax.sampling import target_probs
+
+    def probs(seqs):
+        sp = SamplingParams.create(len(seqs), float(sp1.temperature[0]), float(sp1.top_p[0]), int(sp1.top_k[0]))
+        h = forward(params, cfg, jnp.asarray(seqs)).hidden[:, -1]
+        return np.asarray(target_probs(lm_logits(params, cfg, h), sp), np.float64)
+
+    joint = {}
+    p1 = probs([prompt])[0]
+    for t1 in np.flatnonzero(p1):
+        p2 = probs([prompt + [t1]])[0]
+        t2s = np.flatnonzero(p2)
+        p3 = probs([prompt + [t1, t2] for t2 in t2s])
+        for t2, row in zip(t2s, p3):
+            for t3 in np.flatnonzero(row):
+                joint[(t1, t2, t3)] = p1[t1] * p2[t2] * row[t3]
+    return joint
+
+
+@pytest.mark.parametrize("head_name", ["oracle", "eagle3-random"])
+def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, monkeypatch):
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)[head_name]
+    prompt, n = [3, 14, 15, 92, 65], 6000
+    sp = SamplingParams.create(n, 0.9, 1.0, 4)
+    joint = _exact_three_tokens(params, cfg, prompt, SamplingParams.create(1, 0.9, 1.0, 4))
+    out, _ = _run(speculative_generate, params, cfg, [prompt] * n, 3, sp=sp, seed=11, cache_len=16, head=head,
+                  budget=DYNAMIC)
+    draws = [tuple(r) for r in np.asarray(out.tokens[:, 5:8])]
+    if head_name == "oracle":  # drafts really were accepted (the test exercises acceptance)
+        assert np.asarray(out.accept_lengths)[:, 0].mean() > 1.5
+    assert _chi2_pvalue(draws, joint) > 1e-3
+
+    # Power: a sampler that accepts from a sharpened p (not the target's) is caught.
+    real = speculative.accept_from_logits
+    monkeypatch.setattr(speculative, "accept_from_logits",
+                        lambda key, tok, par, val, logits, sp, d: real(key, tok, par, val, logits * 1.5, sp, d))
+    speculative_generate.clear_cache()
+    biased, _ = _run(speculative_generate, params, cfg, [prompt] * n, 3, sp=sp, seed=11, cache_len=16, head=head,
+                     budget=DYNAMIC)
+    speculative_generate.clear_cache()
+    assert _chi2_pvalue([tuple(r) for r in np.asarray(biased.tokens[:, 5:8])], joint) < 1e-6
