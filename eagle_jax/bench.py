@@ -8,8 +8,10 @@ per prompt — so slow drifts of the machine hit every method alike. The last st
 `{"methods": {name: {"tokens_per_s", "tau", "new_tokens", "seconds", ...}}, "machine": {...}}`;
 a Markdown table goes to stderr (and to --markdown FILE).
 
-Methods: `vanilla` (eagle_jax plain decoding), `hf` (transformers' greedy `generate` on the same
-weights, PyTorch on this machine's threads), `hf-pld` (transformers' prompt-lookup decoding).
+Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tree), `eagle2`
+(EAGLE-1 head, dynamic tree), `eagle3` (EAGLE-3 head, dynamic tree), `hf` (transformers' greedy
+`generate` on the same weights, PyTorch on this machine's threads), `hf-pld` (transformers'
+prompt-lookup decoding). The eagle methods take their heads from `--drafter`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from importlib import resources
 from pathlib import Path
 
 from .decoding import cache_length_for
+from .engine import SPEC_METHODS, default_budget
 from .serve.cli import read_prompts
 
-ALL_METHODS = ("vanilla", "hf", "hf-pld")
+ALL_METHODS = ("vanilla", "eagle1", "eagle2", "eagle3", "hf", "hf-pld")
 # PyTorch on CPU runs its first two generations several times slower (measured): warm up twice.
 WARMUP_ROUNDS = 2
 
@@ -80,11 +83,14 @@ class HFRunner:
 def make_runners(engine, methods, cache_len: int) -> dict:
     runners = {}
     for m in methods:
-        if m == "vanilla":
-            def run(ids, n, _e=engine):
-                g = _e.generate_ids(ids, n, cache_len=cache_len)
+        if m == "vanilla" or m in SPEC_METHODS:
+            if m != "vanilla" and m not in engine.heads:
+                raise ValueError(f"method {m} needs a drafter: call engine.add_method({m!r}, ...) first")
+
+            def run(ids, n, _e=engine, _m=m):
+                g = _e.generate_ids(ids, n, cache_len=cache_len, method=_m)
                 return {"tokens": g.tokens, "new_tokens": g.new_tokens, "target_calls": g.target_calls,
-                        "seconds": g.seconds}
+                        "seconds": g.seconds, "accept_lengths": g.accept_lengths}
             runners[m] = run
         elif m in ("hf", "hf-pld"):
             runners[m] = HFRunner(engine.path, engine.eos_ids, prompt_lookup=10 if m == "hf-pld" else 0)
@@ -120,6 +126,12 @@ def summarize(rows: dict) -> dict:
         calls = [r["target_calls"] for r in rs]
         out[m] = {"tokens_per_s": new / sec if sec else 0.0, "new_tokens": new, "seconds": sec,
                   "tau": (new / sum(calls)) if None not in calls and sum(calls) else None, "prompts": len(rs)}
+        if rs and "accept_lengths" in rs[0]:
+            hist: dict[int, int] = {}
+            for r in rs:
+                for a in r["accept_lengths"][1:]:  # the prefill's token is not a verification step
+                    hist[a] = hist.get(a, 0) + 1
+            out[m]["accept_length_histogram"] = dict(sorted(hist.items()))
     for ref in ("vanilla", "hf"):
         if ref in out and out[ref]["tokens_per_s"]:
             for m in out:
@@ -151,6 +163,12 @@ def build_parser():
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--drafter", default="default",
+                   help="draft head for eagle methods: default, PATH, random or oracle (eagle1/eagle2 use an "
+                        "EAGLE-1 head, eagle3 an EAGLE-3 head; PATH may hold both as PATH/eagle1, PATH/eagle3)")
+    p.add_argument("--total-tokens", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--tree-top-k", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the result JSON as the last stdout line")
     p.add_argument("--markdown", type=Path, default=None, help="also write the Markdown table here")
     return p
@@ -168,11 +186,21 @@ def main(argv=None) -> int:
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
     prompts = read_prompts(args.prompts or default_prompts_file())[: args.limit]
     engine = Engine(args.model, dtype=args.dtype)
+    for m in methods:
+        if m in SPEC_METHODS:
+            spec = args.drafter
+            sub = Path(spec) / ("eagle3" if m == "eagle3" else "eagle1")
+            if sub.is_dir():
+                spec = str(sub)
+            budget = default_budget(m, *((args.total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else ()))
+            engine.add_method(m, spec, budget)
     ids = [engine.encode(p, raw=args.raw) for _, p in prompts]
     log(f"{len(ids)} prompts, {args.max_new_tokens} new tokens, methods {methods}")
     result = {"methods": run_bench(engine, ids, methods, args.max_new_tokens, log), "machine": machine_info(),
               "settings": {"prompts": str(args.prompts or "packaged chat prompts"), "limit": len(ids),
-                           "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype}}
+                           "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
+                           "drafter": args.drafter,
+                           "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     table = markdown_table(result["methods"])
     print(table, file=sys.stderr)
     if args.markdown:

@@ -75,3 +75,37 @@ def test_bad_prompts_file_names_the_line(tmp_path):
 def test_unknown_model_is_a_clear_error():
     r = _run("--model", "no-such-model", "--prompt", "hi")
     assert r.returncode == 2 and "error: unknown model 'no-such-model'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle2", "eagle3"])
+def test_speculative_methods_match_vanilla(tiny_hf_dir, method, capsys):
+    base = ["--model", str(tiny_hf_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "12", "--json"]
+    assert main(base + ["--method", "vanilla"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--method", method, "--drafter", "oracle"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["target_calls"] < plain["target_calls"] and spec["tau"] > 1
+    assert sum(spec["accept_lengths"]) >= spec["new_tokens"] and len(spec["accept_lengths"]) == spec["target_calls"]
+
+
+def test_drafter_directory_and_budget_flags(tiny_hf_dir, tmp_path, capsys):
+    import jax
+
+    from eagle_jax.draft import DraftConfig, init_head, save_drafter
+
+    engine = Engine(str(tiny_hf_dir), progress=False)
+    head = init_head(DraftConfig.for_target("eagle3", engine.cfg, draft_vocab_size=50), jax.random.PRNGKey(0),
+                     d2t=[0] * 50)
+    save_drafter(tmp_path / "e3", head, engine.cfg)
+    args = ["--model", str(tiny_hf_dir), "--prompt", "w5 w6", "--max-new-tokens", "8", "--json"]
+    assert main(args + ["--method", "eagle3", "--drafter", str(tmp_path / "e3"), "--total-tokens", "8",
+                        "--depth", "3", "--tree-top-k", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == engine.generate("w5 w6", 8).tokens
+    # An EAGLE-3 head cannot serve eagle2, and an impossible budget is refused, both with a message.
+    assert main(args + ["--method", "eagle2", "--drafter", str(tmp_path / "e3")]) == 2
+    assert "needs an EAGLE-1 head" in capsys.readouterr().err
+    assert main(args + ["--method", "eagle2", "--drafter", "random", "--total-tokens", "99", "--depth", "2",
+                        "--tree-top-k", "2"]) == 2
+    assert "total_tokens must be in [2, 11]" in capsys.readouterr().err
