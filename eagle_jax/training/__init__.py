@@ -1,0 +1,1 @@
+"""Training EAGLE draft heads: data, objectives, trainer."""

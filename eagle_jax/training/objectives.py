@@ -1,0 +1,161 @@
+"""Training objectives of the EAGLE heads.
+
+Indexing (both kinds): tokens t_0..t_{L-1}; target features f_j are computed by the target over
+t_0..t_j. The head at position j reads (f_j, t_{j+1}) and predicts what follows t_{j+1}, i.e. the
+target's feature/distribution at position j+1 (the next token t_{j+2}); a position counts when
+t_{j+2} is an assistant token.
+
+EAGLE-1:  loss = v_weight · SmoothL1(h'_j, f_{j+1}) + p_weight · CE(p_target(j+1), p_head(j)), with
+          uniform noise U(-a, a) on the input features (a = noise).
+EAGLE-3:  training-time test — `ttt_length` rollout steps; step 0 reads the fused target features,
+          step i reads the head's own step-(i-1) outputs with tokens shifted by i, at positions j+i.
+          Step i at index j attends to the step-0 keys at indices ≤ j (the real prefix) and to the
+          step-s keys at index j for 1 ≤ s ≤ i (its own drafted chain: the "diagonal" mask). It is
+          implemented as the inference cache path with step s's keys in slots [s·L, (s+1)·L), so
+          training and drafting share one attention. Loss: soft cross-entropy against the target's
+          distribution restricted to the draft vocabulary, weighted step_decay**i; positions whose
+          target argmax is outside the draft vocabulary are skipped (as SpecForge does).
+Metrics: `loss`, `acc_i` (top-1 of rollout step i against the target's argmax; EAGLE-1 has acc_0
+only), `ploss_i`, and for EAGLE-1 `vloss`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ..draft.heads import DraftHead, fuse_features, head_logits, head_step
+from ..models.config import ModelConfig
+from ..models.decoder import KVCache, forward, lm_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    kind: str = "eagle3"  # "eagle1" | "eagle3"
+    ttt_length: int = 7  # EAGLE-3 rollout steps
+    step_decay: float = 0.8  # EAGLE-3 weight of step i: step_decay**i
+    noise: float = 0.2  # EAGLE-1 uniform feature noise amplitude (0 = off)
+    v_weight: float = 1.0  # EAGLE-1 SmoothL1 weight
+    p_weight: float = 0.1  # EAGLE-1 cross-entropy weight
+
+    def __post_init__(self):
+        if self.kind not in ("eagle1", "eagle3"):
+            raise ValueError(f"objective kind must be eagle1 or eagle3, got {self.kind!r}")
+        if self.ttt_length < 1:
+            raise ValueError("ttt_length must be >= 1")
+
+
+def teacher(target_params, tcfg: ModelConfig, head_cfg, input_ids_bl):
+    """The frozen target's view of a batch: (features for the head [B, L, F], final-norm hidden [B, L, D])."""
+    capture = tuple(head_cfg.target_layers) if head_cfg.kind == "eagle3" else (tcfg.num_layers,)
+    out = forward(jax.lax.stop_gradient(target_params), tcfg, input_ids_bl, capture=capture)
+    feats = out.captured[0] if len(capture) == 1 else jnp.concatenate(out.captured, axis=-1)
+    return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(out.hidden)
+
+
+def _shift(x, n: int, fill=0):
+    """x[:, j + n] at index j (padded with `fill` past the end)."""
+    if n == 0:
+        return x
+    pad = [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad, constant_values=fill)[:, n:]
+
+
+def _masked_mean(x, m):
+    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def _valid(batch):
+    b, l = batch["input_ids"].shape
+    return (jnp.arange(l)[None, :] < batch["lengths"][:, None]).astype(jnp.float32)
+
+
+def eagle1_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_bld, rng, ocfg: ObjectiveConfig):
+    ids = batch["input_ids"]
+    b, l = ids.shape
+    mask = _shift(batch["loss_mask"] * _valid(batch), 2)  # t_{j+2} is an assistant token
+    noise = jax.random.uniform(rng, feats_bld.shape, jnp.float32, -ocfg.noise, ocfg.noise) if ocfg.noise else 0.0
+    pos = jnp.broadcast_to(jnp.arange(l)[None], (b, l))
+    embed = target_params["embed_tokens"]["embedding"]
+    h, _ = head_step(head, embed, _shift(ids, 1), (feats_bld + noise).astype(feats_bld.dtype), pos)
+    target_f = _shift(feats_bld, 1)
+    diff = jnp.abs(h.astype(jnp.float32) - target_f.astype(jnp.float32))
+    vloss = _masked_mean(jnp.mean(jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5), -1), mask)
+    t_logits = lm_logits(target_params, tcfg, target_f)
+    logits = lm_logits(target_params, tcfg, h)
+    ploss_tok = -jnp.sum(jax.nn.softmax(t_logits, -1) * jax.nn.log_softmax(logits, -1), -1)
+    ploss = _masked_mean(ploss_tok, mask)
+    acc = _masked_mean((jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)).astype(jnp.float32), mask)
+    loss = ocfg.v_weight * vloss + ocfg.p_weight * ploss
+    return loss, {"loss": loss, "vloss": vloss, "ploss_0": ploss, "acc_0": acc, "tokens": jnp.sum(mask)}
+
+
+def ttt_mask(length: int, step: int, l: int):
+    """[L, length·L] visibility of rollout step `step`: causal over step-0 keys, then one key per
+    earlier step s ≥ 1 at the query's own index (and the query's own key for s = step)."""
+    j = jnp.arange(l)
+    blocks = [j[None, :] <= j[:, None]]
+    eye = j[None, :] == j[:, None]
+    for s in range(1, length):
+        blocks.append(eye & (s <= step))
+    return jnp.concatenate(blocks, axis=1)
+
+
+def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_blf, hidden_bld, rng,
+                ocfg: ObjectiveConfig):
+    del rng
+    ids = batch["input_ids"]
+    b, l = ids.shape
+    n = ocfg.ttt_length
+    embed = target_params["embed_tokens"]["embedding"]
+    draft_ids = jnp.arange(head.cfg.draft_vocab_size) + head.d2t  # target id of each draft token
+    t_logits = jax.lax.map(lambda h: lm_logits(target_params, tcfg, h), hidden_bld)  # B L V (row by row)
+    t_argmax = jnp.argmax(t_logits, -1)
+    in_draft = jnp.zeros((tcfg.vocab_size,), bool).at[draft_ids].set(True)
+    t_p = jax.nn.softmax(jnp.take(t_logits, draft_ids, axis=-1), -1)  # B L Vd
+    base_mask = batch["loss_mask"] * _valid(batch)
+    cache = KVCache.create(head.cfg.layer, b, n * l)
+    h = fuse_features(head, feats_blf)
+    pos0 = jnp.broadcast_to(jnp.arange(l)[None], (b, l))
+    loss, metrics = 0.0, {}
+    for i in range(n):
+        mask_bts = jnp.broadcast_to(ttt_mask(n, i, l)[None], (b, l, n * l))
+        slots = pos0 + i * l
+        h, cache = head_step(head, embed, _shift(ids, 1 + i), h, pos0 + i, cache, slots, mask_bts)
+        logp = jax.nn.log_softmax(head_logits(head, target_params, tcfg, h), -1)
+        tgt_p = _shift(t_p, 1 + i)
+        tgt_arg = _shift(t_argmax, 1 + i)
+        m = _shift(base_mask, 2 + i) * in_draft[tgt_arg]
+        ploss = _masked_mean(-jnp.sum(tgt_p * logp, -1), m)
+        pred = draft_ids[jnp.argmax(logp, -1)]
+        metrics[f"ploss_{i}"] = ploss
+        metrics[f"acc_{i}"] = _masked_mean((pred == tgt_arg).astype(jnp.float32), m)
+        loss = loss + ocfg.step_decay ** i * ploss
+    metrics["loss"] = loss
+    metrics["tokens"] = jnp.sum(_shift(base_mask, 2))
+    return loss, metrics
+
+
+def make_loss_fn(ocfg: ObjectiveConfig, head_cfg, tcfg: ModelConfig) -> Callable:
+    """`loss_fn(params, aux, batch, rng) -> (loss, metrics)` for the trainer.
+
+    aux: {"target": target params, "d2t": draft→target offsets (EAGLE-3)}. Features come from the
+    batch when it carries them (offline: "features", "hidden") or from the frozen target (online).
+    """
+    if ocfg.kind != head_cfg.kind:
+        raise ValueError(f"objective {ocfg.kind} does not fit a {head_cfg.kind} head")
+
+    def loss_fn(params, aux, batch, rng):
+        head = DraftHead(params, aux.get("d2t"), head_cfg)
+        if "features" in batch:
+            feats, hidden = batch["features"], batch.get("hidden")
+        else:
+            feats, hidden = teacher(aux["target"], tcfg, head_cfg, batch["input_ids"])
+        if ocfg.kind == "eagle1":
+            return eagle1_loss(head, aux["target"], tcfg, batch, feats, rng, ocfg)
+        return eagle3_loss(head, aux["target"], tcfg, batch, feats, hidden, rng, ocfg)
+
+    return loss_fn

@@ -1,0 +1,122 @@
+"""Training objectives: the EAGLE-3 training-time-test loss equals a step-by-step computation
+through the inference path (a real KV cache, one draft step at a time); EAGLE-1's loss is the
+SmoothL1 + 0.1·CE of its definition."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_hf_model, twin
+from eagle_jax.draft import DraftConfig, fuse_features, head_logits, head_step, init_head
+from eagle_jax.models.decoder import KVCache, lm_logits
+from eagle_jax.training.objectives import ObjectiveConfig, make_loss_fn, teacher
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg, params = twin(make_hf_model("llama", std=0.2))
+    d2t = np.zeros(60, np.int32)
+    d2t[20:] = 30  # draft ids 20..59 → target ids 50..89
+    dc = DraftConfig.for_target("eagle3", cfg, draft_vocab_size=60, target_layers=(0, 1, 3))
+    head = init_head(dc, jax.random.PRNGKey(0), d2t=d2t)
+    head = head.replace(params=jax.tree.map(lambda x: x * 5 if x.ndim == 2 else x, head.params))  # non-trivial
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg.vocab_size, (2, 11))
+    loss_mask = (rng.random((2, 11)) < 0.8).astype(np.float32)
+    batch = {"input_ids": jnp.asarray(ids), "loss_mask": jnp.asarray(loss_mask), "lengths": jnp.array([11, 8])}
+    return cfg, params, head, batch
+
+
+def _reference_ttt(cfg, params, head, batch, n, decay):
+    """Per (step i, index j): run the head exactly as drafting does and score its prediction."""
+    ids = np.asarray(batch["input_ids"])
+    b, l = ids.shape
+    feats, hidden = teacher(params, cfg, head.cfg, batch["input_ids"])
+    fused = fuse_features(head, feats)
+    t_logits = np.asarray(lm_logits(params, cfg, hidden))
+    draft_ids = np.arange(60) + np.asarray(head.d2t)
+    embed = params["embed_tokens"]["embedding"]
+    num = np.zeros(n)
+    den = np.zeros(n)
+    hits = np.zeros(n)
+    for r in range(b):
+        length = int(batch["lengths"][r])
+        for j in range(l):
+            cache = KVCache.create(head.cfg.layer, 1, l + n)
+            toks = jnp.asarray(ids[r:r + 1, 1:j + 2])
+            if toks.shape[1] < j + 1:
+                continue
+            h, cache = head_step(head, embed, toks, fused[r:r + 1, :j + 1], jnp.arange(j + 1)[None], cache)
+            cache = cache.advance(jnp.array([j + 1]))
+            h = h[:, -1:]
+            for i in range(n):
+                if i > 0:
+                    if j + 1 + i >= l:
+                        break
+                    h, cache = head_step(head, embed, jnp.asarray(ids[r:r + 1, j + 1 + i:j + 2 + i]), h,
+                                         jnp.array([[j + i]]), cache)
+                    cache = cache.advance(jnp.array([1]))
+                tgt = j + 2 + i
+                if tgt >= l or tgt >= length or not batch["loss_mask"][r, tgt]:
+                    continue
+                arg = t_logits[r, j + 1 + i].argmax()
+                if arg not in draft_ids:
+                    continue
+                logp = np.asarray(jax.nn.log_softmax(head_logits(head, params, cfg, h)[0, 0]))
+                p = np.asarray(jax.nn.softmax(t_logits[r, j + 1 + i][draft_ids]))
+                num[i] += -(p * logp).sum()
+                den[i] += 1
+                hits[i] += draft_ids[logp.argmax()] == arg
+    ploss = num / np.maximum(den, 1)
+    return ploss, hits / np.maximum(den, 1), sum(decay ** i * ploss[i] for i in range(n))
+
+
+def test_ttt_loss_equals_step_by_step_drafting(setup):
+    cfg, params, head, batch = setup
+    n = 3
+    loss_fn = make_loss_fn(ObjectiveConfig("eagle3", ttt_length=n), head.cfg, cfg)
+    loss, m = loss_fn(head.params, {"target": params, "d2t": head.d2t}, batch, jax.random.PRNGKey(0))
+    ploss, acc, total = _reference_ttt(cfg, params, head, batch, n, 0.8)
+    np.testing.assert_allclose([float(m[f"ploss_{i}"]) for i in range(n)], ploss, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose([float(m[f"acc_{i}"]) for i in range(n)], acc, atol=1e-6)
+    np.testing.assert_allclose(float(loss), total, rtol=1e-5)
+
+
+def test_ttt_loss_sees_no_future(setup):
+    """Changing tokens after position k changes no term whose inputs end before k."""
+    cfg, params, head, batch = setup
+    loss_fn = make_loss_fn(ObjectiveConfig("eagle3", ttt_length=2), head.cfg, cfg)
+    aux = {"target": params, "d2t": head.d2t}
+    base = dict(batch, loss_mask=jnp.zeros_like(batch["loss_mask"]).at[:, :6].set(1.0))
+    a = loss_fn(head.params, aux, base, jax.random.PRNGKey(0))[0]
+    changed = dict(base, input_ids=base["input_ids"].at[:, 7:].set(3))
+    b = loss_fn(head.params, aux, changed, jax.random.PRNGKey(0))[0]
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+
+
+def test_eagle1_loss_definition(setup):
+    cfg, params, _, batch = setup
+    dc = DraftConfig.for_target("eagle1", cfg)
+    head = init_head(dc, jax.random.PRNGKey(1))
+    aux = {"target": params}
+    loss_fn = make_loss_fn(ObjectiveConfig("eagle1", noise=0.0), dc, cfg)
+    loss, m = loss_fn(head.params, aux, batch, jax.random.PRNGKey(0))
+    feats, _ = teacher(params, cfg, dc, batch["input_ids"])
+    ids = np.asarray(batch["input_ids"])
+    h, _ = head_step(head, params["embed_tokens"]["embedding"], jnp.asarray(ids[:, 1:]), feats[:, :-1],
+                     jnp.broadcast_to(jnp.arange(10)[None], (2, 10)))
+    h, f = np.asarray(h)[:, :-1], np.asarray(feats)[:, 1:-1]
+    mask = (np.asarray(batch["loss_mask"])[:, 2:] * (np.arange(2, 11)[None] < np.asarray(batch["lengths"])[:, None]))
+    d = np.abs(h - f)
+    v = (np.where(d < 1, 0.5 * d * d, d - 0.5).mean(-1) * mask).sum() / mask.sum()
+    tl = np.asarray(lm_logits(params, cfg, jnp.asarray(f)))
+    hl = np.asarray(jax.nn.log_softmax(lm_logits(params, cfg, jnp.asarray(h))))
+    p = (-(np.asarray(jax.nn.softmax(tl)) * hl).sum(-1) * mask).sum() / mask.sum()
+    np.testing.assert_allclose(float(m["vloss"]), v, rtol=1e-5)
+    np.testing.assert_allclose(float(m["ploss_0"]), p, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), v + 0.1 * p, rtol=1e-5)
+    noisy = make_loss_fn(ObjectiveConfig("eagle1", noise=0.2), dc, cfg)(head.params, aux, batch, jax.random.PRNGKey(0))
+    assert abs(float(noisy[0]) - float(loss)) > 1e-6  # the noise is applied
+    g = jax.grad(lambda p: loss_fn(p, aux, batch, jax.random.PRNGKey(0))[0])(head.params)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
