@@ -132,6 +132,7 @@ def summarize(rows: dict) -> dict:
                 for a in r["accept_lengths"][1:]:  # the prefill's token is not a verification step
                     hist[a] = hist.get(a, 0) + 1
             out[m]["accept_length_histogram"] = dict(sorted(hist.items()))
+            out[m]["alpha"] = acceptance_curve(hist)
     for ref in ("vanilla", "hf"):
         if ref in out and out[ref]["tokens_per_s"]:
             for m in out:
@@ -142,6 +143,22 @@ def summarize(rows: dict) -> dict:
                 same = sum(a["tokens"] == b["tokens"] for a, b in zip(rows["vanilla"], rows[m]))
                 out[m]["same_tokens_as_vanilla"] = f"{same}/{len(rows[m])}"
     return out
+
+
+def acceptance_curve(hist: dict) -> list:
+    """n-α from verification steps: α_n = P(≥ n drafts accepted | ≥ n-1 accepted), n = 1, 2, ...
+    (accept length = accepted drafts + 1, so a step with length L accepted L-1 drafts)."""
+    total = sum(hist.values())
+    alphas = []
+    n = 1
+    while True:
+        reached = sum(c for length, c in hist.items() if length - 1 >= n - 1)
+        passed = sum(c for length, c in hist.items() if length - 1 >= n)
+        if not total or reached == 0 or n >= max(hist):
+            break
+        alphas.append(round(passed / reached, 4))
+        n += 1
+    return alphas
 
 
 def markdown_table(result: dict) -> str:

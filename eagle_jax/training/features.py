@@ -1,0 +1,99 @@
+"""Offline target features: run the frozen target once over the training set, keep what the head
+needs on disk, and stream it back during training (no target forward in the training step).
+
+Layout of a store directory:
+  index.json            {"num_examples", "feature_size", "hidden_size", "dtype", "offsets", "lengths", ...}
+  features.bin          [total_tokens, F] memmap (EAGLE-3: the fused target layers; EAGLE-1: final norm)
+  hidden.bin            [total_tokens, D] memmap (final-norm output: the target's logits are its LM head
+                        of this, so soft labels need no [V]-wide storage)
+Examples are appended in order; an interrupted caching run resumes after the last finished batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..models.config import ModelConfig
+from .objectives import teacher
+
+
+class FeatureStore:
+    """Read side: `store[i] -> (features [L_i, F], hidden [L_i, D])` as float32 numpy arrays."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        meta = json.loads((self.path / "index.json").read_text())
+        self.meta = meta
+        self.offsets = np.asarray(meta["offsets"], np.int64)
+        self.lengths = np.asarray(meta["lengths"], np.int64)
+        total = int(self.offsets[-1] + self.lengths[-1]) if len(self.lengths) else 0
+        dt = np.dtype(meta["dtype"])
+        self.features = np.memmap(self.path / "features.bin", dt, "r", shape=(total, meta["feature_size"]))
+        self.hidden = np.memmap(self.path / "hidden.bin", dt, "r", shape=(total, meta["hidden_size"]))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int):
+        a, n = int(self.offsets[i]), int(self.lengths[i])
+        return (np.asarray(self.features[a:a + n], np.float32), np.asarray(self.hidden[a:a + n], np.float32))
+
+
+def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequence[dict], out_dir, *,
+                   batch_size: int = 8, seq_len: int = 512, dtype: str = "float16", progress: bool = True) -> Path:
+    """Compute and store the teacher features of `examples` (dicts with "input_ids") in order."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    index = out / "index.json"
+    capture = tuple(head_cfg.target_layers) if head_cfg.kind == "eagle3" else (tcfg.num_layers,)
+    meta = {"num_examples": 0, "feature_size": tcfg.hidden_size * len(capture), "hidden_size": tcfg.hidden_size,
+            "dtype": dtype, "offsets": [], "lengths": [], "capture": list(capture), "kind": head_cfg.kind}
+    if index.exists():
+        old = json.loads(index.read_text())
+        if old["capture"] != meta["capture"] or old["dtype"] != dtype:
+            raise ValueError(f"{out} holds features of another configuration ({old['capture']}, {old['dtype']})")
+        meta = old
+    done = meta["num_examples"]
+    fn = jax.jit(lambda ids: teacher(target_params, tcfg, head_cfg, ids))
+    bar = tqdm(total=len(examples), initial=done, desc="target features", unit="ex", file=sys.stderr,
+               disable=not progress)
+    with open(out / "features.bin", "ab") as ff, open(out / "hidden.bin", "ab") as fh:
+        # Drop anything past the last finished batch (a killed run may have written part of one).
+        total = (meta["offsets"][-1] + meta["lengths"][-1]) if meta["lengths"] else 0
+        item = np.dtype(dtype).itemsize
+        ff.truncate(total * meta["feature_size"] * item)
+        fh.truncate(total * meta["hidden_size"] * item)
+        for start in range(done, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            ids = np.zeros((batch_size, seq_len), np.int32)
+            lens = []
+            for r, ex in enumerate(chunk):
+                t = np.asarray(ex["input_ids"])[:seq_len]
+                ids[r, :len(t)] = t
+                lens.append(len(t))
+            feats, hidden = jax.device_get(fn(jnp.asarray(ids)))
+            for r, n in enumerate(lens):
+                ff.write(np.ascontiguousarray(feats[r, :n], dtype).tobytes())
+                fh.write(np.ascontiguousarray(hidden[r, :n], dtype).tobytes())
+                meta["offsets"].append(int(total))
+                meta["lengths"].append(int(n))
+                total += n
+            ff.flush()
+            fh.flush()
+            meta["num_examples"] = start + len(chunk)
+            tmp = index.with_suffix(".tmp")
+            tmp.write_text(json.dumps(meta))
+            tmp.replace(index)  # the index only ever names fully written examples
+            bar.update(len(chunk))
+    bar.close()
+    return out
