@@ -8,6 +8,7 @@ import numpy as np
 
 from conftest import make_hf_model, twin
 from eagle_jax.draft import DraftConfig
+from eagle_jax.models.decoder import lm_logits
 from eagle_jax.training.features import FeatureStore, cache_features
 from eagle_jax.training.objectives import teacher
 
@@ -27,7 +28,8 @@ def test_cache_read_back_and_resume(tmp_path, rng):
     assert len(store) == 5
     for i, ex in enumerate(examples):
         feats, hidden = teacher(params, cfg, dc, jnp.asarray(ex["input_ids"])[None])
-        f, h = store[i]
+        f, h, a = store[i]
         assert f.shape == (len(ex["input_ids"]), 3 * cfg.hidden_size)
         np.testing.assert_allclose(f, np.asarray(feats[0]), atol=1e-5)
         np.testing.assert_allclose(h, np.asarray(hidden[0]), atol=1e-5)
+        np.testing.assert_array_equal(a, np.asarray(lm_logits(params, cfg, hidden[0])).argmax(-1))

@@ -120,3 +120,21 @@ def test_eagle1_loss_definition(setup):
     assert abs(float(noisy[0]) - float(loss)) > 1e-6  # the noise is applied
     g = jax.grad(lambda p: loss_fn(p, aux, batch, jax.random.PRNGKey(0))[0])(head.params)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_offline_features_give_the_online_loss(setup, kind):
+    from eagle_jax.training.objectives import target_argmax
+
+    cfg, params, head3, batch = setup
+    if kind == "eagle1":
+        head = init_head(DraftConfig.for_target("eagle1", cfg), jax.random.PRNGKey(1))
+    else:
+        head = head3
+    aux = {"target": params, "d2t": head.d2t} if kind == "eagle3" else {"target": params}
+    loss_fn = make_loss_fn(ObjectiveConfig(kind, ttt_length=2, noise=0.0), head.cfg, cfg)
+    online = loss_fn(head.params, aux, batch, jax.random.PRNGKey(0))[0]
+    feats, hidden = teacher(params, cfg, head.cfg, batch["input_ids"])
+    offline = dict(batch, features=feats, hidden=hidden, target_argmax=target_argmax(params, cfg, hidden))
+    np.testing.assert_allclose(float(loss_fn(head.params, aux, offline, jax.random.PRNGKey(0))[0]), float(online),
+                               rtol=1e-6)

@@ -6,6 +6,8 @@ Layout of a store directory:
   features.bin          [total_tokens, F] memmap (EAGLE-3: the fused target layers; EAGLE-1: final norm)
   hidden.bin            [total_tokens, D] memmap (final-norm output: the target's logits are its LM head
                         of this, so soft labels need no [V]-wide storage)
+  argmax.bin            [total_tokens] int32 memmap: the target's greedy token at each position (lets
+                        the EAGLE-3 loss skip the full-vocabulary LM head)
 Examples are appended in order; an interrupted caching run resumes after the last finished batch.
 """
 
@@ -22,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.config import ModelConfig
-from .objectives import teacher
+from .objectives import target_argmax, teacher
 
 
 class FeatureStore:
-    """Read side: `store[i] -> (features [L_i, F], hidden [L_i, D])` as float32 numpy arrays."""
+    """Read side: `store[i] -> (features [L_i, F], hidden [L_i, D], argmax [L_i])` (float32, int32)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -38,13 +40,15 @@ class FeatureStore:
         dt = np.dtype(meta["dtype"])
         self.features = np.memmap(self.path / "features.bin", dt, "r", shape=(total, meta["feature_size"]))
         self.hidden = np.memmap(self.path / "hidden.bin", dt, "r", shape=(total, meta["hidden_size"]))
+        self.argmax = np.memmap(self.path / "argmax.bin", np.int32, "r", shape=(total,))
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int):
         a, n = int(self.offsets[i]), int(self.lengths[i])
-        return (np.asarray(self.features[a:a + n], np.float32), np.asarray(self.hidden[a:a + n], np.float32))
+        return (np.asarray(self.features[a:a + n], np.float32), np.asarray(self.hidden[a:a + n], np.float32),
+                np.asarray(self.argmax[a:a + n], np.int32))
 
 
 def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequence[dict], out_dir, *,
@@ -64,15 +68,21 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
             raise ValueError(f"{out} holds features of another configuration ({old['capture']}, {old['dtype']})")
         meta = old
     done = meta["num_examples"]
-    fn = jax.jit(lambda ids: teacher(target_params, tcfg, head_cfg, ids))
+    def fn_(ids):
+        feats, hidden = teacher(target_params, tcfg, head_cfg, ids)
+        return feats, hidden, target_argmax(target_params, tcfg, hidden)
+
+    fn = jax.jit(fn_)
     bar = tqdm(total=len(examples), initial=done, desc="target features", unit="ex", file=sys.stderr,
                disable=not progress)
-    with open(out / "features.bin", "ab") as ff, open(out / "hidden.bin", "ab") as fh:
+    with open(out / "features.bin", "ab") as ff, open(out / "hidden.bin", "ab") as fh, \
+            open(out / "argmax.bin", "ab") as fa:
         # Drop anything past the last finished batch (a killed run may have written part of one).
         total = (meta["offsets"][-1] + meta["lengths"][-1]) if meta["lengths"] else 0
         item = np.dtype(dtype).itemsize
         ff.truncate(total * meta["feature_size"] * item)
         fh.truncate(total * meta["hidden_size"] * item)
+        fa.truncate(total * 4)
         for start in range(done, len(examples), batch_size):
             chunk = examples[start:start + batch_size]
             ids = np.zeros((batch_size, seq_len), np.int32)
@@ -81,15 +91,17 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
                 t = np.asarray(ex["input_ids"])[:seq_len]
                 ids[r, :len(t)] = t
                 lens.append(len(t))
-            feats, hidden = jax.device_get(fn(jnp.asarray(ids)))
+            feats, hidden, amax = jax.device_get(fn(jnp.asarray(ids)))
             for r, n in enumerate(lens):
                 ff.write(np.ascontiguousarray(feats[r, :n], dtype).tobytes())
                 fh.write(np.ascontiguousarray(hidden[r, :n], dtype).tobytes())
+                fa.write(np.ascontiguousarray(amax[r, :n], np.int32).tobytes())
                 meta["offsets"].append(int(total))
                 meta["lengths"].append(int(n))
                 total += n
             ff.flush()
             fh.flush()
+            fa.flush()
             meta["num_examples"] = start + len(chunk)
             tmp = index.with_suffix(".tmp")
             tmp.write_text(json.dumps(meta))

@@ -104,18 +104,32 @@ def ttt_mask(length: int, step: int, l: int):
     return jnp.concatenate(blocks, axis=1)
 
 
+def target_argmax(target_params, tcfg: ModelConfig, hidden_bld):
+    """The target's greedy token at every position (full-vocabulary LM head, one row at a time)."""
+    return jax.lax.map(lambda h: jnp.argmax(lm_logits(target_params, tcfg, h), -1), hidden_bld)
+
+
+def _draft_logits(target_params, tcfg: ModelConfig, hidden_bld, draft_ids):
+    """The target's logits restricted to the draft vocabulary (only those LM-head rows are computed)."""
+    if tcfg.tie_word_embeddings:
+        w = jnp.take(target_params["embed_tokens"]["embedding"], draft_ids, axis=0)  # Vd D
+        return jnp.einsum("bld,vd->blv", hidden_bld, w, preferred_element_type=jnp.float32)
+    w = jnp.take(target_params["lm_head"]["kernel"], draft_ids, axis=1)
+    return jnp.einsum("bld,dv->blv", hidden_bld, w, preferred_element_type=jnp.float32)
+
+
 def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_blf, hidden_bld, rng,
                 ocfg: ObjectiveConfig):
+    """`batch` may carry "target_argmax" (cached offline); otherwise it is computed here."""
     del rng
     ids = batch["input_ids"]
     b, l = ids.shape
     n = ocfg.ttt_length
     embed = target_params["embed_tokens"]["embedding"]
     draft_ids = jnp.arange(head.cfg.draft_vocab_size) + head.d2t  # target id of each draft token
-    t_logits = jax.lax.map(lambda h: lm_logits(target_params, tcfg, h), hidden_bld)  # B L V (row by row)
-    t_argmax = jnp.argmax(t_logits, -1)
+    t_argmax = batch["target_argmax"] if "target_argmax" in batch else target_argmax(target_params, tcfg, hidden_bld)
     in_draft = jnp.zeros((tcfg.vocab_size,), bool).at[draft_ids].set(True)
-    t_p = jax.nn.softmax(jnp.take(t_logits, draft_ids, axis=-1), -1)  # B L Vd
+    t_p = jax.nn.softmax(_draft_logits(target_params, tcfg, hidden_bld, draft_ids), -1)  # B L Vd
     base_mask = batch["loss_mask"] * _valid(batch)
     cache = KVCache.create(head.cfg.layer, b, n * l)
     h = fuse_features(head, feats_blf)

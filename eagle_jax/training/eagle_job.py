@@ -1,0 +1,160 @@
+"""The `eagle1` / `eagle3` training jobs: target + conversations → head params, loss, data, eval.
+
+Config sections (defaults in MODEL / DATA / OBJECTIVE below):
+  model:     the target (alias, HF dir or GGUF), dtype, EAGLE-3 draft vocabulary size and fused layers,
+             optional warm start from a drafter directory
+  data:      train/eval JSONL conversations (ShareGPT or messages layout), max_len, how to treat bad
+             lines, target features "online" (the frozen target runs inside the step) or "offline"
+             (cached once under feature_dir, then streamed)
+  objective: ObjectiveConfig fields (ttt_length, step_decay, noise, v_weight, p_weight)
+  export:    where the finished head is written in the released EAGLE layout (and its dtype)
+
+The draft vocabulary (EAGLE-3) is built from the training data's assistant-token frequencies and
+saved next to the run (`draft_vocab.npz`), so a resumed run keeps the same vocabulary.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from ..draft import DraftConfig, DraftHead, init_head, load_drafter, save_drafter
+from ..models.checkpoint import load_hf_dir
+from ..models.registry import resolve_model
+from .data import load_examples, make_dataset, pad_example
+from .features import FeatureStore, cache_features
+from .objectives import ObjectiveConfig, make_loss_fn
+from .trainer import TrainConfig
+from .vocab import build_draft_vocab, count_tokens
+
+MODEL = {"target": "smollm2-135m-instruct", "dtype": "float32", "draft_vocab_size": 8192, "target_layers": None,
+         "intermediate_size": None, "init_from": None}
+DATA = {"train": None, "eval": None, "max_len": 512, "on_error": "skip", "features": "online", "feature_dir": None,
+        "eval_batches": 4}
+OBJECTIVE = {"ttt_length": 7, "step_decay": 0.8, "noise": 0.2, "v_weight": 1.0, "p_weight": 0.1}
+
+
+def _section(config: Mapping, name: str, defaults: Mapping[str, Any]) -> dict:
+    got = dict(config.get(name, {}))
+    unknown = sorted(set(got) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown {name} keys for job {config['job']!r}: {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **got}
+
+
+def _log(msg: str):
+    print(f"[train] {msg}", file=sys.stderr, flush=True)
+
+
+def _draft_vocab(examples, tcfg, size: int, eos_ids, path: Path):
+    if path.exists():
+        return np.load(path)["d2t"]
+    counts = count_tokens(examples, tcfg.vocab_size, assistant_only=True)
+    d2t, _ = build_draft_vocab(counts, size, always_include=tuple(eos_ids))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, d2t=d2t, counts=counts)
+    covered = counts[np.arange(size) + d2t].sum() / max(counts.sum(), 1)
+    _log(f"draft vocabulary: {size} tokens cover {covered:.1%} of the assistant tokens")
+    return d2t
+
+
+class _OfflineSource:
+    """Example i padded to seq_len with its cached target features (grain map source)."""
+
+    def __init__(self, examples, store: FeatureStore, seq_len: int):
+        self.examples, self.store, self.seq_len = examples, store, seq_len
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        out = pad_example(self.examples[i], self.seq_len)
+        f, h, a = self.store[i]
+        n = min(len(f), self.seq_len)
+        out["features"] = np.zeros((self.seq_len, f.shape[1]), np.float32)
+        out["hidden"] = np.zeros((self.seq_len, h.shape[1]), np.float32)
+        out["target_argmax"] = np.zeros((self.seq_len,), np.int32)
+        out["features"][:n], out["hidden"][:n], out["target_argmax"][:n] = f[:n], h[:n], a[:n]
+        return out
+
+
+def _offline_iter(source, batch_size, seed, shard_index, shard_count):
+    import grain
+
+    ds = grain.MapDataset.source(source)
+    if shard_count > 1:
+        ds = ds[shard_index::shard_count]
+    ds = ds.shuffle(seed=seed).repeat(None).batch(batch_size, drop_remainder=True)
+    return iter(ds.to_iter_dataset())
+
+
+def eagle_job(config: dict):
+    """`(params, aux, loss_fn, train_iter, eval_fn)` for an EAGLE-1 or EAGLE-3 head."""
+    from transformers import AutoTokenizer
+
+    kind = config["job"]
+    train = TrainConfig.from_dict(config.get("train", {}))
+    model, data = _section(config, "model", MODEL), _section(config, "data", DATA)
+    ocfg = ObjectiveConfig(kind=kind, **_section(config, "objective", OBJECTIVE))
+    if not data["train"]:
+        raise ValueError("data.train (a JSONL file of conversations) is required")
+    if data["features"] not in ("online", "offline"):
+        raise ValueError(f"data.features must be 'online' or 'offline', got {data['features']!r}")
+    path = resolve_model(model["target"])
+    tcfg, tparams = load_hf_dir(path, dtype=model["dtype"])
+    tok = AutoTokenizer.from_pretrained(str(path))
+    eos = [i for i in {tok.eos_token_id} if i is not None]
+    stats: dict = {}
+    examples = load_examples(data["train"], tok, data["max_len"], on_error=data["on_error"], stats=stats)
+    _log(f"train data: {stats}")
+    out_dir = Path(train.output_dir)
+    d2t = None
+    if kind == "eagle3":
+        d2t = _draft_vocab(examples, tcfg, model["draft_vocab_size"], eos, out_dir / "draft_vocab.npz")
+    if model["init_from"]:
+        head = load_drafter(model["init_from"], tcfg)
+        if head.cfg.kind != kind:
+            raise ValueError(f"init_from holds an {head.cfg.kind} head, not {kind}")
+        d2t = head.d2t if kind == "eagle3" else None
+    else:
+        hcfg = DraftConfig.for_target(kind, tcfg, draft_vocab_size=model["draft_vocab_size"],
+                                      target_layers=tuple(model["target_layers"]) if model["target_layers"] else None,
+                                      intermediate_size=model["intermediate_size"])
+        head = init_head(hcfg, jax.random.PRNGKey(train.seed), d2t=d2t)
+    aux = {"target": tparams}
+    if head.d2t is not None:
+        aux["d2t"] = head.d2t
+    loss_fn = make_loss_fn(ocfg, head.cfg, tcfg)
+    per_process = train.batch_size // jax.process_count()
+    if data["features"] == "offline":
+        fdir = Path(data["feature_dir"] or out_dir / "features")
+        cache_features(tparams, tcfg, head.cfg, examples, fdir, seq_len=train.seq_len)
+        source = _OfflineSource(examples, FeatureStore(fdir), train.seq_len)
+        train_iter = _offline_iter(source, per_process, train.seed, jax.process_index(), jax.process_count())
+    else:
+        train_iter = make_dataset(examples, per_process, train.seq_len, seed=train.seed)
+    eval_fn = None
+    if data["eval"] and data["eval_batches"]:
+        held = load_examples(data["eval"], tok, data["max_len"], on_error=data["on_error"])
+        it = make_dataset(held, train.batch_size, train.seq_len, seed=0, shuffle=False, num_epochs=1,
+                          shard_index=0, shard_count=1, drop_remainder=False)
+        batches = [b for _, b in zip(range(data["eval_batches"]), it)]
+        eval_loss = jax.jit(loss_fn)
+
+        def eval_fn(params, aux):
+            outs = [jax.device_get(eval_loss(params, aux, b, jax.random.PRNGKey(0))[1]) for b in batches]
+            return {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
+
+    eagle_job.last_head_cfg = head.cfg  # for export after training
+    return head.params, aux, loss_fn, train_iter, eval_fn
+
+
+def export_head(params, aux, head_cfg, target: str, dtype: str, out: str | Path) -> Path:
+    """Write a trained head in the released EAGLE layout (loadable by eagle_jax, vLLM, SGLang)."""
+    tcfg, _ = load_hf_dir(resolve_model(target))
+    head = DraftHead(jax.device_get(params), None if aux.get("d2t") is None else np.asarray(aux["d2t"]), head_cfg)
+    return save_drafter(out, head, tcfg, dtype=dtype)

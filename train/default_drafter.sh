@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
+#   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
+#      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
+#   2. train the EAGLE-3 head (the default) and an EAGLE-1 head on them (offline features);
+#   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
+# Rerun the same command after an interruption: every stage continues where it stopped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p runs
+python -m eagle_jax.training.selfdistill --out runs/sd --max-new-tokens 256 --batch-size 8 \
+  --sources humaneval,evals,self-instruct --evals-per-subset 6 --self-instruct-n 250
+train/cpu.sh configs/train/smollm2_eagle3_cpu.json "$@"
+train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
+dest=eagle_jax/assets/drafters
+mkdir -p "$dest"
+rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
+cp -r runs/eagle3/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
