@@ -326,4 +326,6 @@ def make_dataset(examples: Sequence[dict], batch_size: int, seq_len: int, seed: 
     ds = ds.map(lambda ex: pad_example(ex, seq_len, pad_id))
     ds = ds.batch(batch_size, drop_remainder=drop_remainder,
                   batch_fn=lambda rows: _stack_batch(rows, batch_size, seq_len, pad_id))
-    return iter(ds.to_iter_dataset(read_options) if read_options is not None else ds.to_iter_dataset())
+    if read_options is None:  # grain's default (16 threads, 500 elements ahead) starves a small host
+        read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+    return iter(ds.to_iter_dataset(read_options))

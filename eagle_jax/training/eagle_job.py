@@ -89,7 +89,9 @@ def _offline_iter(source, batch_size, seed, shard_index, shard_count):
     if shard_count > 1:
         ds = ds[shard_index::shard_count]
     ds = ds.shuffle(seed=seed).repeat(None).batch(batch_size, drop_remainder=True)
-    return iter(ds.to_iter_dataset())
+    # Feature batches are tens of MB: grain's default read-ahead (hundreds of elements) would hold
+    # gigabytes, so read a couple of batches ahead only.
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)))
 
 
 def eagle_job(config: dict):
