@@ -56,3 +56,23 @@ def test_speculative_greedy_equals_plain(smollm2, plain, method, head_kind):
         assert tau > 3.0  # whole paths accepted
     else:
         assert tau < 1.5  # a random head is almost never right
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle2", "eagle1"])
+def test_packaged_default_drafters_are_lossless_and_trained(smollm2, plain, method):
+    """The drafters shipped for the default target: exact greedy output, and clearly better than a
+    random head (which accepts almost nothing: tau ≈ 1.0)."""
+    from eagle_jax.engine import default_drafter_path
+
+    engine, _ = smollm2
+    ids, expected = plain
+    assert default_drafter_path("smollm2-135m-instruct", "eagle3" if method == "eagle3" else "eagle1") is not None
+    engine.add_method(method, "default")
+    toks, lens = pack_prompts(ids, 128)
+    out = speculative_generate(engine.params, engine.cfg, engine.heads[method], jnp.asarray(toks), jnp.asarray(lens),
+                               jnp.int32(NEW), jnp.asarray(engine.eos_ids, jnp.int32), SamplingParams.create(len(ids)),
+                               jax.random.PRNGKey(0), budget=default_budget(method))
+    for i, exp in enumerate(expected):
+        assert np.asarray(out.tokens[i, lens[i]:out.length[i]]).tolist() == exp, PROMPTS[i]
+    tau = np.asarray(out.num_new).sum() / np.asarray(out.target_calls).sum()
+    assert tau > 1.2, tau
