@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -30,20 +29,13 @@ from .features import FeatureStore, cache_features
 from .objectives import ObjectiveConfig, make_loss_fn
 from .trainer import TrainConfig
 from .vocab import build_draft_vocab, count_tokens
+from ..train import _section  # one reader of config sections for every job
 
 MODEL = {"target": "smollm2-135m-instruct", "dtype": "float32", "draft_vocab_size": 8192, "target_layers": None,
          "intermediate_size": None, "init_from": None}
 DATA = {"train": None, "eval": None, "max_len": 512, "on_error": "skip", "features": "online", "feature_dir": None,
         "eval_batches": 4}
 OBJECTIVE = {"ttt_length": 7, "step_decay": 0.8, "noise": 0.2, "v_weight": 1.0, "p_weight": 0.1}
-
-
-def _section(config: Mapping, name: str, defaults: Mapping[str, Any]) -> dict:
-    got = dict(config.get(name, {}))
-    unknown = sorted(set(got) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown {name} keys for job {config['job']!r}: {unknown}; known: {sorted(defaults)}")
-    return {**defaults, **got}
 
 
 def _log(msg: str):
