@@ -130,16 +130,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _installed_gguf(src: WheelGGUF) -> Path | None:
-    """The .gguf inside an installed copy of the package (found without importing it)."""
+def installed_package_dirs(package: str) -> list[Path]:
+    """Directories of an installed package (found without importing it); [] when absent."""
     try:
-        spec = importlib.util.find_spec(src.package)
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
-        return None
+        return []
     if spec is None:
-        return None
-    for root in list(spec.submodule_search_locations or []) + ([str(Path(spec.origin).parent)] if spec.origin else []):
-        candidate = Path(root) / Path(src.member).relative_to(src.package)
+        return []
+    dirs = list(spec.submodule_search_locations or []) + ([str(Path(spec.origin).parent)] if spec.origin else [])
+    return [Path(d) for d in dirs]
+
+
+def _installed_gguf(src: WheelGGUF) -> Path | None:
+    """The .gguf inside an installed copy of the package."""
+    for root in installed_package_dirs(src.package):
+        candidate = root / Path(src.member).relative_to(src.package)
         if candidate.is_file():
             return candidate
     return None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
-import importlib.util
 import io
 import json
 import re
@@ -73,15 +72,11 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------------------------- packaged files
 def _installed_root(src: WheelData) -> Optional[Path]:
-    try:
-        spec = importlib.util.find_spec(src.package)
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    for root in list(spec.submodule_search_locations or []):
-        return Path(root).parent
-    return Path(spec.origin).parent.parent if spec.origin else None
+    """site-packages (or wherever) holding an installed copy of the package, if any."""
+    from ..models.registry import installed_package_dirs
+
+    dirs = installed_package_dirs(src.package)
+    return dirs[0].parent if dirs else None
 
 
 def wheel_path(src: WheelData, cache_dir=None, download: bool = True) -> Path:
