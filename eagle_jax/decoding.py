@@ -68,6 +68,55 @@ def prefill(params, cfg: ModelConfig, tokens_bs, prompt_len_b, cache: KVCache, c
     return cache, logits, feats
 
 
+class DecodeState(NamedTuple):
+    """Plain decoding between steps (a pytree): what `decode_start`/`decode_advance` pass along."""
+
+    step: jax.Array  # [] RNG fold index of the next step
+    cache: KVCache
+    tokens: jax.Array  # [B, S] prompt then generated tokens
+    length: jax.Array  # [B]
+    done: jax.Array  # [B]
+    num_new: jax.Array  # [B]
+    last: jax.Array  # [B] the newest token (not yet in the cache)
+    calls: jax.Array  # [] target passes after prefill
+
+
+def _emit(st: DecodeState, tok, max_new_tokens, eos_ids, s: int):
+    """Append `tok` to the rows still running; update their stop flags."""
+    rows = jnp.arange(tok.shape[0])
+    write = ~st.done
+    tokens = st.tokens.at[rows, jnp.where(write, st.length, s)].set(tok, mode="drop")
+    length, num_new = st.length + write, st.num_new + write
+    is_eos = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
+    done = st.done | (write & is_eos) | (num_new >= max_new_tokens) | (length >= s)
+    return st._replace(tokens=tokens, length=length, num_new=num_new, done=done, last=tok)
+
+
+def _start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key,
+           prefill_chunk: int) -> DecodeState:
+    b, s = tokens_bs.shape
+    cache = KVCache.create(cfg, b, s)
+    cache, logits, _ = prefill(params, cfg, tokens_bs, prompt_len_b, cache, prefill_chunk)
+    tok = sample(jax.random.fold_in(key, 0), logits, sp)
+    zeros = jnp.zeros((b,), jnp.int32)
+    st = DecodeState(jnp.int32(1), cache, tokens_bs, prompt_len_b, zeros.astype(bool) | (max_new_tokens <= 0),
+                     zeros, zeros, jnp.int32(0))
+    return _emit(st, tok, max_new_tokens, eos_ids, s)
+
+
+def _step(params, cfg: ModelConfig, st: DecodeState, max_new_tokens, eos_ids, sp, key) -> DecodeState:
+    b, s = st.tokens.shape
+    out = forward(params, cfg, st.last[:, None], (st.length - 1)[:, None], st.cache)
+    tok = sample(jax.random.fold_in(key, st.step), lm_logits(params, cfg, out.hidden[:, 0]), sp)
+    st = st._replace(step=st.step + 1, cache=out.cache.advance(jnp.ones((b,), jnp.int32)), calls=st.calls + 1)
+    return _emit(st, tok, max_new_tokens, eos_ids, s)
+
+
+def _output(st: DecodeState, max_new_tokens) -> GenerateOutput:
+    # The prefill pass produced the first token: it counts as a call, so vanilla tau is exactly 1.
+    return GenerateOutput(st.tokens, st.length, st.num_new, st.calls + (max_new_tokens > 0))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"))
 def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
                     key, prefill_chunk: int = 64) -> GenerateOutput:
@@ -77,40 +126,36 @@ def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_t
     (pad with -1). A row stops at EOS (kept in the output), after max_new_tokens, or when full.
     """
     _count_trace("generate")
-    b, s = tokens_bs.shape
-    cache = KVCache.create(cfg, b, s)
-    cache, logits, _ = prefill(params, cfg, tokens_bs, prompt_len_b, cache, prefill_chunk)
-    rows = jnp.arange(b)
+    st = _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
+    st = jax.lax.while_loop(lambda st: ~jnp.all(st.done),
+                            lambda st: _step(params, cfg, st, max_new_tokens, eos_ids, sp, key), st)
+    return _output(st, max_new_tokens)
 
-    def emit(tokens, length, num_new, done, tok):
-        write = ~done
-        tokens = tokens.at[rows, jnp.where(write, length, s)].set(tok, mode="drop")
-        length = length + write
-        num_new = num_new + write
-        is_eos = jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
-        done = done | (write & is_eos) | (num_new >= max_new_tokens) | (length >= s)
-        return tokens, length, num_new, done
 
-    tok = sample(jax.random.fold_in(key, 0), logits, sp)
-    done0 = jnp.zeros((b,), bool) | (max_new_tokens <= 0)
-    tokens, length, num_new, done = emit(tokens_bs, prompt_len_b, jnp.zeros((b,), jnp.int32), done0, tok)
+# -- streaming: the same computation cut into calls, so a server can emit tokens as they come and
+# stop a generation between calls. Same key ⇒ same tokens as `generate_tokens`.
 
-    def cond(st):
-        return ~jnp.all(st[4])
+@functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"))
+def decode_start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
+                 key, prefill_chunk: int = 64) -> DecodeState:
+    """Prefill and the first token; continue with `decode_advance`."""
+    _count_trace("decode_start")
+    return _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
 
-    def body(st):
-        step, cache, tokens, length, done, num_new, last, calls = st
-        out = forward(params, cfg, last[:, None], (length - 1)[:, None], cache)
-        cache = out.cache.advance(jnp.ones((b,), jnp.int32))
-        tok = sample(jax.random.fold_in(key, step), lm_logits(params, cfg, out.hidden[:, 0]), sp)
-        tokens, length, num_new, done = emit(tokens, length, num_new, done, tok)
-        return step + 1, cache, tokens, length, done, num_new, tok, calls + 1
 
-    st = (jnp.int32(1), cache, tokens, length, done, num_new, tok, jnp.int32(0))
-    st = jax.lax.while_loop(cond, body, st)
-    _, _, tokens, length, _, num_new, _, calls = st
-    # The prefill pass produced the first token: it counts as a call, so vanilla tau is exactly 1.
-    return GenerateOutput(tokens, length, num_new, calls + (max_new_tokens > 0))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def decode_advance(params, cfg: ModelConfig, state: DecodeState, max_new_tokens, eos_ids, sp: SamplingParams, key,
+                   n_steps) -> DecodeState:
+    """Up to `n_steps` (dynamic) more decoding steps; stops early when every row is done."""
+    _count_trace("decode_advance")
+    stop = state.step + n_steps
+    return jax.lax.while_loop(lambda st: ~jnp.all(st.done) & (st.step < stop),
+                              lambda st: _step(params, cfg, st, max_new_tokens, eos_ids, sp, key), state)
+
+
+def decode_output(state: DecodeState, max_new_tokens) -> GenerateOutput:
+    """The `generate_tokens` result of a streamed generation."""
+    return _output(state, max_new_tokens)
 
 
 def cache_length_for(prompt_len: int, max_new_tokens: int, bucket: int = 128) -> int:

@@ -216,3 +216,22 @@ class Engine:
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, *, raw: bool = False, **kw) -> Generation:
         return self.generate_ids(self.encode(prompt, raw=raw), max_new_tokens, **kw)
+
+    def start_stream(self, prompt_ids: list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, seed: int = 0, cache_len: Optional[int] = None,
+                     method: Optional[str] = None):
+        """Begin a generation that yields tokens call by call (`streaming.TokenStream`); the same
+        arguments give the same tokens as `generate_ids`."""
+        from .streaming import TokenStream
+
+        validate_sampling(temperature, top_p, top_k)
+        need = self.check_fits(len(prompt_ids), max_new_tokens)
+        cache_len = max(cache_len or need, len(prompt_ids) + max_new_tokens)
+        method = method or self.method
+        if method != "vanilla" and method not in self.heads:
+            raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
+        toks, _ = pack_prompts([prompt_ids], cache_len)
+        sp = SamplingParams.create(1, temperature, top_p, top_k)
+        eos = jnp.asarray(self.eos_ids or [-1], jnp.int32)
+        return TokenStream(self, method, jnp.asarray(toks), len(prompt_ids), max_new_tokens, eos, sp,
+                           jax.random.PRNGKey(seed))

@@ -81,77 +81,137 @@ def draft_prefill(head: DraftHead, target_params, feats_bsf, tokens_bs, prompt_l
     return cache, h_root
 
 
+class SpecState(NamedTuple):
+    """Speculative decoding between steps (a pytree): what `spec_start`/`spec_advance` pass along."""
+
+    step: jax.Array  # [] verification steps run
+    tcache: KVCache  # the target's cache, committed up to the root
+    dcache: KVCache  # the head's cache
+    root: jax.Array  # [B] the newest token (not yet in the caches)
+    h_root: jax.Array  # [B, d] the head's state at the root
+    tokens: jax.Array  # [B, S]
+    length: jax.Array  # [B]
+    num_new: jax.Array  # [B]
+    done: jax.Array  # [B]
+    calls: jax.Array  # [B] target passes that produced tokens
+    acc: jax.Array  # [B, S] tokens produced per verification step
+
+
+def _is_eos(t, eos_ids):
+    return jnp.any(t[..., None] == eos_ids, axis=-1)
+
+
+def _start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens, eos_ids,
+           sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int) -> SpecState:
+    b, s = tokens_bs.shape
+    rows = jnp.arange(b)
+    capture = target_capture(tcfg, head)
+    tcache = KVCache.create(tcfg, b, s + budget.total_tokens)
+    tcache, logits, feats = prefill(target_params, tcfg, tokens_bs, prompt_len_b, tcache, prefill_chunk, capture)
+    root = sample(jax.random.fold_in(key, 0), logits, sp)
+    dcache = seed_draft_cache(head, tokens_bs,
+                              create_draft_cache(head.cfg, b, s + budget.scratch + budget.max_depth + 1))
+    dcache, h_root = draft_prefill(head, target_params, _features(feats), tokens_bs, prompt_len_b, root, dcache,
+                                   prefill_chunk)
+    live = max_new_tokens > 0
+    tokens = tokens_bs.at[rows, jnp.where(live, prompt_len_b, s)].set(root, mode="drop")
+    num_new = jnp.full((b,), live, jnp.int32)
+    length = prompt_len_b + num_new
+    done = ~live | _is_eos(root, eos_ids) | (num_new >= max_new_tokens) | (length >= s)
+    return SpecState(jnp.int32(0), tcache, dcache, root, h_root, tokens, length, num_new, done, num_new,
+                     jnp.zeros((b, s), jnp.int32))
+
+
+def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_new_tokens, eos_ids,
+          sp: SamplingParams, key, budget: TreeBudget) -> SpecState:
+    """One draft → verify → accept → commit → re-feed-the-head step (rows already done stay put)."""
+    step, tcache, dcache, root, h_root, tokens, length, num_new, done, calls, acc = st
+    b, s = tokens.shape
+    depth = budget.max_depth
+    rows = jnp.arange(b)
+    j = jnp.arange(depth + 1)
+    embed = target_params["embed_tokens"]["embedding"]
+    k_step = jax.random.fold_in(key, step + 1)
+    p = tcache.length
+    tree = draft_tree(head, target_params, tcfg, h_root, root, dcache, budget)
+    depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
+    out = forward(target_params, tcfg, tree.tokens_bn, p[:, None] + depth_bn, tcache,
+                  block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth),
+                  capture=target_capture(tcfg, head))
+    acc_res = accept_from_logits(k_step, *tree, lm_logits(target_params, tcfg, out.hidden), sp, depth)
+    m = jnp.where(done, 0, acc_res.num_accepted_b)
+    path = jnp.where(acc_res.path_bd >= 0, acc_res.path_bd, 0)
+
+    # Commit the accepted path's keys/values to contiguous slots P..P+m.
+    src, dst = p[:, None] + path, p[:, None] + j[None, :]
+    k_all = out.cache.k.at[:, rows[:, None], dst].set(out.cache.k[:, rows[:, None], src], mode="drop")
+    v_all = out.cache.v.at[:, rows[:, None], dst].set(out.cache.v[:, rows[:, None], src], mode="drop")
+    tcache = out.cache.replace(k=k_all, v=v_all, length=p + jnp.where(done, 0, m + 1))
+
+    # Tokens produced: the accepted drafts, then the bonus; cut at EOS, the budget, the buffer.
+    path_tok = jnp.take_along_axis(tree.tokens_bn, path, axis=1)
+    nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((b, 1), path_tok.dtype)], axis=1)
+    emitted = jnp.where(j < m[:, None], nxt, jnp.where(j == m[:, None], acc_res.bonus_b[:, None], 0))
+    eos_hit = _is_eos(emitted, eos_ids) & (j <= m[:, None])
+    count = jnp.where(jnp.any(eos_hit, 1), jnp.argmax(eos_hit, 1) + 1, m + 1)
+    count = jnp.minimum(count, jnp.minimum(max_new_tokens - num_new, s - length))
+    count = jnp.where(done, 0, count)
+    write = jnp.where(j[None, :] < count[:, None], length[:, None] + j[None, :], s)
+    tokens = tokens.at[rows[:, None], write].set(emitted, mode="drop")
+    acc = acc.at[rows, jnp.where(done, s, step)].set(m + 1, mode="drop")
+    calls = calls + ~done
+    length, num_new = length + count, num_new + count
+    new_done = done | jnp.any(eos_hit, 1) | (num_new >= max_new_tokens) | (length >= s)
+
+    # The head consumes the path's target features with the next tokens (t_{P+1}..t_{P+m+1}).
+    feat = jnp.take_along_axis(_features(out.captured), path[:, :, None], axis=1)
+    h, dcache = head_step(head, embed, emitted, fuse_features(head, feat), p[:, None] + j[None, :], dcache)
+    dcache = dcache.replace(length=tcache.length)
+    h_root = jnp.where(new_done[:, None], h_root, h[rows, m])
+    root = jnp.where(new_done, root, acc_res.bonus_b)
+    return SpecState(step + 1, tcache, dcache, root, h_root, tokens, length, num_new, new_done, calls, acc)
+
+
+def _output(st: SpecState) -> SpecOutput:
+    return SpecOutput(st.tokens, st.length, st.num_new, st.calls, st.acc, st.step)
+
+
 @functools.partial(jax.jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
 def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens,
                          eos_ids, sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int = 64) -> SpecOutput:
     """Generate up to `max_new_tokens` per row with EAGLE speculation (same contract as
     `decoding.generate_tokens`: tokens_bs [B, S] left-aligned prompts, S static)."""
     TRACE_COUNTS["speculative"] = TRACE_COUNTS.get("speculative", 0) + 1
-    b, s = tokens_bs.shape
-    n, depth = budget.total_tokens, budget.max_depth
-    rows = jnp.arange(b)
-    j = jnp.arange(depth + 1)
-    capture = target_capture(tcfg, head)
-    embed = target_params["embed_tokens"]["embedding"]
+    st = _start(target_params, tcfg, head, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, budget,
+                prefill_chunk)
+    st = jax.lax.while_loop(
+        lambda st: ~jnp.all(st.done),
+        lambda st: _step(target_params, tcfg, head, st, max_new_tokens, eos_ids, sp, key, budget), st)
+    return _output(st)
 
-    tcache = KVCache.create(tcfg, b, s + n)
-    tcache, logits, feats = prefill(target_params, tcfg, tokens_bs, prompt_len_b, tcache, prefill_chunk, capture)
-    root = sample(jax.random.fold_in(key, 0), logits, sp)
-    dcache = seed_draft_cache(head, tokens_bs, create_draft_cache(head.cfg, b, s + budget.scratch + depth + 1))
-    dcache, h_root = draft_prefill(head, target_params, _features(feats), tokens_bs, prompt_len_b, root, dcache,
-                                   prefill_chunk)
 
-    is_eos = lambda t: jnp.any(t[..., None] == eos_ids, axis=-1)
-    live = max_new_tokens > 0
-    tokens = tokens_bs.at[rows, jnp.where(live, prompt_len_b, s)].set(root, mode="drop")
-    num_new = jnp.full((b,), live, jnp.int32)
-    length = prompt_len_b + num_new
-    done = ~live | is_eos(root) | (num_new >= max_new_tokens) | (length >= s)
-    calls = num_new
+# -- streaming: the same computation cut into calls (same key ⇒ same tokens as speculative_generate).
 
-    def body(st):
-        step, tcache, dcache, root, h_root, tokens, length, num_new, done, calls, acc = st
-        k_step = jax.random.fold_in(key, step + 1)
-        p = tcache.length
-        tree = draft_tree(head, target_params, tcfg, h_root, root, dcache, budget)
-        depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
-        out = forward(target_params, tcfg, tree.tokens_bn, p[:, None] + depth_bn, tcache,
-                      block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth), capture=capture)
-        acc_res = accept_from_logits(k_step, *tree, lm_logits(target_params, tcfg, out.hidden), sp, depth)
-        m = jnp.where(done, 0, acc_res.num_accepted_b)
-        path = jnp.where(acc_res.path_bd >= 0, acc_res.path_bd, 0)
+@functools.partial(jax.jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
+def spec_start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens, eos_ids,
+               sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int = 64) -> SpecState:
+    """Target and head prefill and the first token; continue with `spec_advance`."""
+    TRACE_COUNTS["spec_start"] = TRACE_COUNTS.get("spec_start", 0) + 1
+    return _start(target_params, tcfg, head, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, budget,
+                  prefill_chunk)
 
-        # Commit the accepted path's keys/values to contiguous slots P..P+m.
-        src, dst = p[:, None] + path, p[:, None] + j[None, :]
-        k_all = out.cache.k.at[:, rows[:, None], dst].set(out.cache.k[:, rows[:, None], src], mode="drop")
-        v_all = out.cache.v.at[:, rows[:, None], dst].set(out.cache.v[:, rows[:, None], src], mode="drop")
-        tcache = out.cache.replace(k=k_all, v=v_all, length=p + jnp.where(done, 0, m + 1))
 
-        # Tokens produced: the accepted drafts, then the bonus; cut at EOS, the budget, the buffer.
-        path_tok = jnp.take_along_axis(tree.tokens_bn, path, axis=1)
-        nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((b, 1), path_tok.dtype)], axis=1)
-        emitted = jnp.where(j < m[:, None], nxt, jnp.where(j == m[:, None], acc_res.bonus_b[:, None], 0))
-        eos_hit = is_eos(emitted) & (j <= m[:, None])
-        count = jnp.where(jnp.any(eos_hit, 1), jnp.argmax(eos_hit, 1) + 1, m + 1)
-        count = jnp.minimum(count, jnp.minimum(max_new_tokens - num_new, s - length))
-        count = jnp.where(done, 0, count)
-        write = jnp.where(j[None, :] < count[:, None], length[:, None] + j[None, :], s)
-        tokens = tokens.at[rows[:, None], write].set(emitted, mode="drop")
-        acc = acc.at[rows, jnp.where(done, s, step)].set(m + 1, mode="drop")
-        calls = calls + ~done
-        length, num_new = length + count, num_new + count
-        done = done | jnp.any(eos_hit, 1) | (num_new >= max_new_tokens) | (length >= s)
+@functools.partial(jax.jit, static_argnames=("tcfg", "budget"), donate_argnames=("state",))
+def spec_advance(target_params, tcfg: ModelConfig, head: DraftHead, state: SpecState, max_new_tokens, eos_ids,
+                 sp: SamplingParams, key, budget: TreeBudget, n_steps) -> SpecState:
+    """Up to `n_steps` (dynamic) more verification steps; stops early when every row is done."""
+    TRACE_COUNTS["spec_advance"] = TRACE_COUNTS.get("spec_advance", 0) + 1
+    stop = state.step + n_steps
+    return jax.lax.while_loop(
+        lambda st: ~jnp.all(st.done) & (st.step < stop),
+        lambda st: _step(target_params, tcfg, head, st, max_new_tokens, eos_ids, sp, key, budget), state)
 
-        # The head consumes the path's target features with the next tokens (t_{P+1}..t_{P+m+1}).
-        feat = jnp.take_along_axis(_features(out.captured), path[:, :, None], axis=1)
-        h, dcache = head_step(head, embed, emitted, fuse_features(head, feat), p[:, None] + j[None, :], dcache)
-        dcache = dcache.replace(length=tcache.length)
-        h_root = jnp.where(done[:, None], h_root, h[rows, m])
-        root = jnp.where(done, root, acc_res.bonus_b)
-        return step + 1, tcache, dcache, root, h_root, tokens, length, num_new, done, calls, acc
 
-    acc0 = jnp.zeros((b, s), jnp.int32)
-    st = (jnp.int32(0), tcache, dcache, root, h_root, tokens, length, num_new, done, calls, acc0)
-    st = jax.lax.while_loop(lambda st: ~jnp.all(st[8]), body, st)
-    step, _, _, _, _, tokens, length, num_new, _, calls, acc = st
-    return SpecOutput(tokens, length, num_new, calls, acc, step)
+def spec_output(state: SpecState) -> SpecOutput:
+    """The `speculative_generate` result of a streamed generation."""
+    return _output(state)

@@ -1,8 +1,14 @@
-"""The one-shot CLI: decode one prompt (`--prompt`) or a JSONL file of prompts (`--prompts`).
+"""`python -m eagle_jax.serve`: one-shot decoding, an OpenAI-compatible HTTP server, or a chat.
 
-Without `--json`, the text goes to stdout and statistics to stderr. With `--json`, stdout carries
-exactly one JSON object per prompt (fields in DESIGN.md) and nothing else; progress and logs go
-to stderr.
+  --prompt TEXT | --prompts FILE.jsonl   decode and exit. Without `--json`, text to stdout and
+                                         statistics to stderr; with `--json`, exactly one JSON object
+                                         per prompt on stdout (fields in DESIGN.md) and nothing else.
+  --host H --port P                      serve /v1/chat/completions, /v1/completions, /v1/models,
+                                         /health, /metrics until SIGTERM/SIGINT.
+  --chat                                 chat in the terminal (streams; tokens/s and tau per answer).
+
+The default method is eagle3 with the drafter packaged for the model (SmolLM2-135M-Instruct has
+one), else plain decoding; `--method vanilla` turns speculation off.
 """
 
 from __future__ import annotations
@@ -18,14 +24,18 @@ METHODS = ("vanilla", "eagle1", "eagle2", "eagle3")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eagle_jax.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one prompt (the chat template is applied unless --raw)")
     src.add_argument("--prompts", type=Path, help='JSONL file with lines {"id": ..., "prompt": "..."}')
+    src.add_argument("--chat", action="store_true", help="interactive chat in the terminal")
+    src.add_argument("--port", type=int, default=None, help="serve HTTP on this port (OpenAI-compatible)")
+    p.add_argument("--host", default=None, help="address to serve on (default 127.0.0.1; implies serving)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="alias, Hugging Face directory or .gguf file (default: %(default)s)")
     p.add_argument("--method", default=None, choices=METHODS,
-                   help="decoding method (default: eagle3 when --drafter is given, else vanilla). "
+                   help="decoding method (default: eagle3 when a drafter is packaged for the model or "
+                        "--drafter is given, else vanilla). "
                         "eagle1 = EAGLE-1 head + static tree; eagle2 = EAGLE-1 head + dynamic tree; "
                         "eagle3 = EAGLE-3 head + dynamic tree")
     p.add_argument("--drafter", default="default",
@@ -40,12 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter/activation dtype (float32 is fastest on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-cache-len", type=int, default=None,
-                   help="largest prompt + new tokens accepted (default: the model's context length)")
+                   help="largest prompt + new tokens accepted (default: the model's context length for "
+                        "--prompt/--prompts, 2048 for --chat and the server)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, nothing else")
+    srv = p.add_argument_group("server (--host/--port)")
+    srv.add_argument("--max-active", type=int, default=8, help="generations in flight at once (default 8)")
+    srv.add_argument("--cache-buckets", default=None,
+                     help="comma-separated cache lengths compiled at start (default 512 and --max-cache-len)")
+    srv.add_argument("--default-max-tokens", type=int, default=512,
+                     help="max_tokens when a request gives none (capped by the context)")
+    srv.add_argument("--steps-per-turn", type=int, default=1,
+                     help="device steps per scheduling turn (higher: less overhead, coarser streaming)")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may take to finish after SIGTERM")
+    srv.add_argument("--system", default=None, help="--chat: a system message")
     return p
 
 
@@ -68,8 +91,16 @@ def read_prompts(path: Path) -> list[tuple[object, str]]:
     return out
 
 
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    serving = args.port is not None or args.host is not None
+    if not (args.prompt is not None or args.prompts or args.chat or serving):
+        return _fail("give --prompt TEXT, --prompts FILE.jsonl, --chat, or --host/--port to serve")
     try:
         from ..sampling import validate_sampling
 
@@ -78,21 +109,32 @@ def main(argv=None) -> int:
             raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
         prompts = read_prompts(args.prompts) if args.prompts else [(0, args.prompt)]
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
 
-    from ..engine import Engine, default_budget
+    from ..engine import default_budget
+    from .server import pick_method
 
     try:
-        # The packaged SmolLM2 heads are lossless but do not yet beat plain decoding on a CPU, so
-        # plain decoding stays the default unless a drafter is named.
-        method = args.method or ("eagle3" if args.drafter != "default" else "vanilla")
+        method = pick_method(args.model, args.method, args.drafter)
         budget = None if method == "vanilla" else default_budget(method, args.total_tokens, args.depth, args.tree_top_k)
-        engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=args.max_cache_len,
+    except ValueError as e:
+        return _fail(str(e))
+    if serving:
+        return _serve(args, method, budget)
+
+    from ..engine import Engine
+
+    try:
+        cache = args.max_cache_len or (2048 if args.chat else None)
+        engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=cache,
                         method=method, drafter=args.drafter, budget=budget)
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
+    if args.chat:
+        from .chat import run_chat
+
+        return run_chat(engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed, system=args.system)
     status = 0
     for pid, prompt in prompts:
         try:
@@ -109,3 +151,21 @@ def main(argv=None) -> int:
             print(f"[{g.new_tokens} tokens in {g.seconds:.2f}s = {g.new_tokens / max(g.seconds, 1e-9):.1f} tok/s, "
                   f"{g.target_calls} target calls, tau {g.tau:.2f}]", file=sys.stderr)
     return status
+
+
+def _serve(args, method: str, budget) -> int:
+    from .server import ServeOptions, run_server
+
+    try:
+        buckets = tuple(int(x) for x in args.cache_buckets.split(",")) if args.cache_buckets else ()
+        if args.max_active < 1 or args.steps_per_turn < 1 or args.default_max_tokens < 1:
+            raise ValueError("--max-active, --steps-per-turn and --default-max-tokens must be at least 1")
+        opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, dtype=args.dtype,
+                            attention=args.attention, max_cache_len=args.max_cache_len or 2048, cache_buckets=buckets,
+                            max_active=args.max_active, steps_per_turn=args.steps_per_turn,
+                            default_max_tokens=args.default_max_tokens, served_model_name=args.served_model_name,
+                            shutdown_timeout=args.shutdown_timeout)
+        opts.buckets()
+    except ValueError as e:
+        return _fail(f"bad server option: {e}")
+    return run_server(opts, host=args.host or "127.0.0.1", port=args.port if args.port is not None else 8000)

@@ -1,0 +1,127 @@
+"""Token streams: one generation cut into device calls, so a caller can emit tokens as they come
+and stop between calls (a server's client disconnects; a stop string appears).
+
+`TokenStream.advance()` runs a few steps on device (plain decoding or speculative verification
+steps; each call is one jitted function, compiled once per shape) and returns the token ids that
+are new since the previous call. Same seed ⇒ the same tokens as the one-shot `Engine.generate_ids`.
+`IncrementalText` turns growing token lists into text deltas, holding back what could still change
+(an incomplete UTF-8 sequence, the start of a stop string).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .decoding import decode_advance, decode_start
+from .speculative import spec_advance, spec_start
+
+
+class TokenStream:
+    """A single prompt's generation in progress (batch of one).
+
+    Built by `Engine.start_stream`; `advance(n_steps)` → new token ids; `done`, `finish_reason`,
+    `target_calls` and `accept_lengths` describe it so far.
+    """
+
+    def __init__(self, engine, method: str, tokens_bs, prompt_len: int, max_new_tokens: int, eos, sp, key):
+        self.engine, self.method = engine, method
+        self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
+        self._args = (jnp.int32(max_new_tokens), eos, sp, key)
+        self._read = prompt_len  # tokens [prompt_len, _read) were returned already
+        self.tokens: list[int] = []
+        self.t_start = time.perf_counter()
+        e = engine
+        if method == "vanilla":
+            self._state = decode_start(e.params, e.cfg, tokens_bs, jnp.asarray([prompt_len], jnp.int32),
+                                       *self._args, prefill_chunk=e.prefill_chunk)
+        else:
+            self._state = spec_start(e.params, e.cfg, e.heads[method], tokens_bs, jnp.asarray([prompt_len], jnp.int32),
+                                     *self._args, budget=e.budgets[method], prefill_chunk=e.prefill_chunk)
+        self.done = False
+        self._calls = 0
+        self._acc: list[int] = []
+        self._first = True
+
+    def advance(self, n_steps: int = 1) -> list[int]:
+        """New token ids (the first call returns the prefill's token without running a step)."""
+        if self._first:
+            self._first = False
+        elif not self.done:
+            e = self.engine
+            if self.method == "vanilla":
+                self._state = decode_advance(e.params, e.cfg, self._state, *self._args, jnp.int32(n_steps))
+            else:
+                self._state = spec_advance(e.params, e.cfg, e.heads[self.method], self._state, *self._args,
+                                           budget=e.budgets[self.method], n_steps=jnp.int32(n_steps))
+        st = self._state
+        length, done, calls = jax.device_get((st.length[0], st.done[0], st.calls))
+        length = int(length)
+        new = [int(t) for t in np.asarray(jax.device_get(st.tokens[0, self._read:length]))] if length > self._read \
+            else []
+        self._read = length
+        self.tokens.extend(new)
+        self.done = bool(done)
+        if self.method == "vanilla":
+            self._calls = int(calls) + 1
+        else:
+            self._calls = int(np.asarray(calls)[0])
+        return new
+
+    @property
+    def target_calls(self) -> int:
+        return self._calls
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        """Tokens per target pass, the prefill's first token included (as `Generation.accept_lengths`)."""
+        if self.method == "vanilla":
+            return [1] * self._calls
+        acc = np.asarray(jax.device_get(self._state.acc[0, :max(self._calls - 1, 0)]))
+        return [1] + [int(a) for a in acc]
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        if not self.done:
+            return None
+        return "stop" if self.tokens and self.tokens[-1] in self.engine.eos_ids else "length"
+
+
+class IncrementalText:
+    """Detokenise a growing list of ids into text deltas, with stop strings.
+
+    `push(ids)` → (delta, stopped). The text is always `decode(all ids)`; a delta is held back while
+    it ends in an incomplete character (U+FFFD) or could be the start of a stop string. When a stop
+    string appears, the text is cut before it and `stopped` is True.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
+        self.decode = decode
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""  # emitted so far
+        self.stopped = False
+
+    def push(self, ids: Sequence[int], final: bool = False) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self.ids.extend(ids)
+        full = self.decode(self.ids)
+        for s in self.stop:
+            at = full.find(s, max(0, len(self.text) - len(s) + 1))
+            if at >= 0:
+                full, self.stopped = full[:at], True
+        if not (final or self.stopped):
+            if full.endswith("\ufffd"):
+                full = full[:-1]
+            hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+            full = full[:len(full) - hold]
+        if len(full) < len(self.text) or not full.startswith(self.text):
+            # Detokenisation changed an earlier character (rare: merged whitespace). Keep what was sent.
+            full = self.text + full[len(self.text):] if len(full) > len(self.text) else self.text
+        delta, self.text = full[len(self.text):], full
+        return delta, self.stopped

@@ -1,0 +1,265 @@
+"""The OpenAI-compatible server, started for real on a loopback port and driven with the official
+`openai` client and raw HTTP: answers equal the engine's, streaming, bad input, concurrency,
+disconnects, metrics, the load-test script."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from server_util import ServerThread
+
+from eagle_jax.engine import Engine
+from eagle_jax.serve.server import ServeOptions, ServerState
+
+CTX = 128
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_dir):
+    return Engine(str(tiny_hf_dir), method="eagle3", drafter="random", progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tiny_hf_dir):
+    opts = ServeOptions(model=str(tiny_hf_dir), served_model_name="tiny", max_cache_len=CTX, cache_buckets=(64, CTX),
+                        max_active=3, default_max_tokens=24)
+    state = ServerState(opts, engine=engine, progress=False)
+    with ServerThread(state) as url:
+        yield url, state
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat_ref(engine, text, n, **kw):
+    return engine.generate_ids(engine.encode(text), n, **kw)
+
+
+def test_health_models_and_warm_shapes(server, engine):
+    url, state = server
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    models = httpx.get(url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["eagle_jax"]["method"] == "eagle3"
+    assert models["data"][0]["eagle_jax"]["context_length"] == CTX
+
+
+def test_chat_completion_equals_engine(client, engine):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w9 w17"}],
+                                       max_tokens=20, temperature=0)
+    ref = _chat_ref(engine, "w5 w9 w17", 20)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == ref.new_tokens and r.usage.prompt_tokens == len(engine.encode("w5 w9 w17"))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model_extra["eagle_jax"]["target_calls"] == ref.target_calls
+
+
+def test_completion_raw_prompt_and_token_ids(client, engine):
+    ids = engine.encode("w7 w8 w9", raw=True)
+    ref = engine.generate_ids(ids, 16)
+    r = client.completions.create(model="tiny", prompt="w7 w8 w9", max_tokens=16, temperature=0)
+    assert r.choices[0].text == ref.text and r.usage.completion_tokens == ref.new_tokens
+    r2 = client.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0)
+    assert r2.choices[0].text == ref.text
+
+
+def test_streaming_chat_and_completion(client, server, engine):
+    ref = _chat_ref(engine, "w11 w12", 20)
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w11 w12"}],
+                                                 max_tokens=20, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.new_tokens
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed, not one blob
+
+    ids = engine.encode("w30 w31", raw=True)
+    cref = engine.generate_ids(ids, 12)
+    parts = list(client.completions.create(model="tiny", prompt="w30 w31", max_tokens=12, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == cref.text
+    # raw SSE framing: data lines, the last one [DONE]
+    with httpx.stream("POST", server[0] + "/v1/completions",
+                      json={"prompt": "w30 w31", "max_tokens": 5, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_stop_strings_and_seeded_sampling(client, engine):
+    ref = _chat_ref(engine, "w40 w41", 24)
+    words = ref.text.split()
+    assert len(words) >= 4, ref.text
+    stop = words[3]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w40 w41"}], max_tokens=24,
+                                       temperature=0, stop=[stop, "never-there"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == ref.text[:ref.text.index(stop)]
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "w40 w41"}], max_tokens=16, temperature=1.0,
+              top_p=0.95, seed=1234)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    s = _chat_ref(engine, "w40 w41", 16, temperature=1.0, top_p=0.95, seed=1234)
+    assert a == b == s.text
+
+
+BAD = [
+    (b"{not json", "body", None),
+    (b"[1, 2]", "object", None),
+    ({"messages": "hello"}, "messages", "messages"),
+    ({"messages": []}, "empty", "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role", "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content", "messages[0].content"),
+    ({"model": "gpt-17", "messages": [{"role": "user", "content": "w5"}]}, "gpt-17", "model"),
+    ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 0}, "at least 1", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": "ten"}, "integer", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 10_000}, "context", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "w5"}], "temperature": -0.5}, "temperature", "temperature"),
+    ({"messages": [{"role": "user", "content": "w5"}], "temperature": "hot"}, "number", "temperature"),
+    ({"messages": [{"role": "user", "content": "w5"}], "top_p": 0}, "top_p", "top_p"),
+    ({"messages": [{"role": "user", "content": "w5"}], "stop": [1, 2]}, "stop", "stop"),
+    ({"messages": [{"role": "user", "content": "w5"}], "stream": "yes"}, "boolean", "stream"),
+    ({"messages": [{"role": "user", "content": "w5"}], "n": 3}, "n=1", "n"),
+    ({"messages": [{"role": "user", "content": "w5"}], "presence_penalty": 0.5}, "presence_penalty",
+     "presence_penalty"),
+    ({"messages": [{"role": "user", "content": " ".join(["w9"] * 200)}]}, "prompt has", "messages"),
+]
+
+
+@pytest.mark.parametrize("body,needle,param", BAD, ids=[b[1] for b in BAD])
+def test_bad_chat_input_is_a_400_naming_the_problem(server, body, needle, param):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server[0] + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param"} and err["type"] == "invalid_request_error"
+    assert needle in err["message"] and err["param"] == param
+
+
+@pytest.mark.parametrize("body,param", [({"prompt": ""}, "prompt"), ({"prompt": [["w5"], ["w6"]]}, "prompt"),
+                                        ({"prompt": [5, 10 ** 6]}, "prompt"), ({}, "prompt"),
+                                        ({"prompt": "w5", "max_tokens": -3}, "max_tokens")])
+def test_bad_completion_input(server, body, param):
+    r = httpx.post(server[0] + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_unknown_route_and_method_are_json(server):
+    r = httpx.get(server[0] + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(server[0] + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_concurrent_requests_all_correct(server, engine):
+    prompts = [f"w{10 + i} w{20 + i}" for i in range(7)]  # more than max_active=3: some queue
+    refs = {p: _chat_ref(engine, p, 16).text for p in prompts}
+    got, errors = {}, []
+
+    def ask(p):
+        stream = p[-1] in "02468"
+        try:
+            r = httpx.post(server[0] + "/v1/chat/completions", timeout=300,
+                           json={"messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0,
+                                 "stream": stream})
+            if stream:
+                objs = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+                got[p] = "".join(o["choices"][0]["delta"].get("content", "") for o in objs if o["choices"])
+            else:
+                got[p] = r.json()["choices"][0]["message"]["content"]
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and got == refs
+
+
+def _metric(url, name) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_disconnect_cancels_and_server_keeps_serving(server, engine, client):
+    url = server[0]
+    before = _metric(url, 'eagle_jax_generations_total{reason="cancelled"}')
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "w50"}], "max_tokens": 100, "stream": True}) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data: {"):
+                break  # first chunk received, then hang up
+    import time
+
+    for _ in range(100):
+        if _metric(url, 'eagle_jax_generations_total{reason="cancelled"}') > before:
+            break
+        time.sleep(0.1)
+    assert _metric(url, 'eagle_jax_generations_total{reason="cancelled"}') == before + 1
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w9 w17"}],
+                                       max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == _chat_ref(engine, "w5 w9 w17", 20).text
+
+
+def test_metrics_count_requests_tokens_and_tau(server):
+    url = server[0]
+    text = httpx.get(url + "/metrics").text
+    for name in ("eagle_jax_requests_total", "eagle_jax_generation_tokens_total", "eagle_jax_tau",
+                 "eagle_jax_request_latency_seconds_bucket", "eagle_jax_time_to_first_token_seconds_count",
+                 "eagle_jax_accept_length_bucket", "eagle_jax_requests_waiting"):
+        assert name in text, name
+    n0, t0 = _metric(url, "eagle_jax_generations_total"), _metric(url, "eagle_jax_generation_tokens_total")
+    httpx.post(url + "/v1/completions", json={"prompt": "w5 w6", "max_tokens": 7}, timeout=60)
+    httpx.post(url + "/v1/completions", json={"prompt": "", "max_tokens": 7})  # a 400
+    assert _metric(url, "eagle_jax_generations_total") == n0 + 1
+    assert 1 <= _metric(url, "eagle_jax_generation_tokens_total") - t0 <= 7
+    assert _metric(url, 'eagle_jax_requests_total{endpoint="/v1/completions",status="400"}') >= 1
+    assert _metric(url, "eagle_jax_tau") >= 1.0
+
+
+def test_loadtest_script_reports_levels(server, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("loadtest", Path(__file__).parent.parent / "serve" / "loadtest.py")
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5 w6"}\n{"prompt": "w7"}\n')
+    rc = lt.main(["--url", server[0], "--concurrency", "1,3", "--duration", "1.5", "--max-tokens", "8",
+                  "--prompts", str(prompts)])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0
+    assert [lv["concurrency"] for lv in out["levels"]] == [1, 3]
+    for lv in out["levels"]:
+        assert lv["ok"] >= 1 and lv["errors"] == 0 and lv["completion_tokens"] >= lv["ok"]
+        assert lv["latency_p50_s"] <= lv["latency_p99_s"] and lv["tau"] >= 1.0
+
+
+def test_not_ready_is_503(tiny_hf_dir):
+    state = ServerState(ServeOptions(model=str(tiny_hf_dir)), progress=False)
+    from starlette.testclient import TestClient
+
+    from eagle_jax.serve.server import create_app
+
+    app = create_app(state)
+    state.load = lambda: None  # stay "loading"
+    with TestClient(app) as tc:
+        assert tc.get("/health").status_code == 503
+        r = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}]})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]

@@ -1,0 +1,83 @@
+"""Streamed generation (token by token through `Engine.start_stream`) equals one-shot generation,
+and text deltas with stop strings add up to the right text."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle_jax.decoding import TRACE_COUNTS
+from eagle_jax.engine import Engine
+from eagle_jax.streaming import IncrementalText
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_dir):
+    e = Engine(str(tiny_hf_dir), progress=False)
+    e.add_method("eagle3", "random")
+    e.add_method("eagle2", "oracle")
+    return e
+
+
+def _stream_all(stream, n_steps=1):
+    chunks = []
+    while not stream.done:
+        chunks.append(stream.advance(n_steps))
+    return chunks
+
+
+@pytest.mark.parametrize("method", ["vanilla", "eagle3", "eagle2"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_stream_equals_one_shot(engine, method, temperature):
+    prompt = [1, 5, 9, 33, 7, 12]
+    kw = dict(temperature=temperature, top_k=20 if temperature else 0, seed=3, cache_len=128, method=method)
+    ref = engine.generate_ids(prompt, 40, **kw)
+    stream = engine.start_stream(prompt, 40, **kw)
+    chunks = _stream_all(stream, n_steps=1)
+    assert [t for c in chunks for t in c] == ref.tokens
+    assert stream.target_calls == ref.target_calls
+    assert stream.accept_lengths == ref.accept_lengths
+    assert stream.finish_reason == ref.finish_reason
+    if method == "eagle2":  # the oracle accepts whole paths: chunks hold several tokens
+        assert max(len(c) for c in chunks) > 1
+
+
+def test_stream_steps_per_call_and_compile_once(engine):
+    prompt = [1, 8, 8, 9]
+    one = engine.start_stream(prompt, 30, cache_len=128, method="eagle3")
+    a = [t for c in _stream_all(one, 1) for t in c]
+    before = dict(TRACE_COUNTS)
+    three = engine.start_stream(prompt + [4], 25, cache_len=128, method="eagle3", seed=9)
+    b = _stream_all(three, 3)
+    assert TRACE_COUNTS.get("spec_start") == before.get("spec_start")
+    assert TRACE_COUNTS.get("spec_advance") == before.get("spec_advance")
+    assert len(b) < 25 and sum(map(len, b)) <= 25
+    again = engine.start_stream(prompt, 30, cache_len=128, method="eagle3")
+    assert [t for c in _stream_all(again, 4) for t in c] == a
+
+
+def test_stream_stops_between_calls(engine):
+    stream = engine.start_stream([1, 5, 6], 50, cache_len=128)
+    got = stream.advance() + stream.advance(2)
+    assert len(got) == 3 and not stream.done  # the caller may simply stop here
+
+
+def _fake_decode(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_incremental_text_deltas_and_stop_strings():
+    inc = IncrementalText(_fake_decode, stop=["END", "xy"])
+    out = []
+    for ch in "hello E":
+        out.append(inc.push([ord(ch)])[0])
+    assert "".join(out) == "hello "  # "E" is held: it may start "END"
+    d, stopped = inc.push([ord("x")])
+    assert (d, stopped) == ("E", False)  # "Ex": E is not the start of a stop string any more; x may be
+    d, stopped = inc.push([ord("y"), ord("z")])
+    assert (d, stopped) == ("", True) and inc.text == "hello E"
+
+
+def test_incremental_text_without_stop_and_final_flush():
+    inc = IncrementalText(lambda ids: "".join(chr(i) for i in ids).replace("#", "\ufffd"))
+    assert inc.push([ord("a"), ord("#")]) == ("a", False)  # incomplete character held back
+    assert inc.push([], final=True) == ("\ufffd", False)
