@@ -3,6 +3,7 @@
 The public API, by concern:
   * target models — `ModelConfig`, `forward`, `lm_logits`, `KVCache`, `load_hf_dir`, `resolve_model`, ...
   * decoding — `Engine` (tokenizer + model + generation), `generate_tokens`, `SamplingParams`
+  * streaming — `Engine.start_stream` → `TokenStream` (tokens call by call), `IncrementalText`
 """
 
 from .decoding import GenerateOutput, generate_tokens
@@ -11,12 +12,13 @@ from .models import (CheckpointError, KVCache, ModelConfig, RopeScaling, Unsuppo
                      convert_gguf_to_hf_dir, forward, init_params, lm_logits, load_hf_dir, read_gguf,
                      resolve_model, save_hf_dir)
 from .sampling import SamplingParams, filter_logits, sample, target_probs
+from .streaming import IncrementalText, TokenStream
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "Engine", "GenerateOutput", "Generation", "KVCache", "ModelConfig", "RopeScaling",
+    "CheckpointError", "Engine", "GenerateOutput", "Generation", "IncrementalText", "KVCache", "ModelConfig", "RopeScaling",
     "SamplingParams", "UnsupportedConfigError", "convert_gguf_to_hf_dir", "filter_logits", "forward",
     "generate_tokens", "init_params", "lm_logits", "load_hf_dir", "read_gguf", "resolve_model", "sample",
-    "save_hf_dir", "target_probs",
+    "save_hf_dir", "target_probs", "TokenStream",
 ]

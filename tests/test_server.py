@@ -263,3 +263,35 @@ def test_not_ready_is_503(tiny_hf_dir):
         assert tc.get("/health").status_code == 503
         r = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}]})
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+
+
+def test_non_streaming_client_that_hangs_up_cancels(server, engine, monkeypatch):
+    import socket
+    import time
+
+    from eagle_jax.streaming import TokenStream
+
+    prompt = next(p for p in (f"w{i}" for i in range(5, 100)) if _chat_ref(engine, p, 100).new_tokens == 100)
+
+    slow = TokenStream.advance
+
+    def advance(self, n_steps=1):  # ~50 ms a step: 100 tokens would take seconds
+        time.sleep(0.05)
+        return slow(self, n_steps)
+
+    monkeypatch.setattr(TokenStream, "advance", advance)
+    url, _ = server
+    key = 'eagle_jax_generations_total{reason="cancelled"}'
+    before = _metric(url, key)
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": 100,
+                       "temperature": 0}).encode()
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    while _metric(url, key) == before and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert _metric(url, key) == before + 1
+    assert time.monotonic() - t0 < 3  # cancelled long before the 100 tokens (5 s) would be done

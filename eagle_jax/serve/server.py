@@ -214,14 +214,18 @@ def create_app(state: ServerState) -> Starlette:
 
     async def _collect(request: Request, job: Job, req: api.GenRequest, rid: str):
         parts = []
+        next_check = time.monotonic() + 0.25
         try:
             while True:
                 try:
-                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
                 except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() >= next_check:  # events may never pause: check the client on a clock
+                    next_check = time.monotonic() + 0.25
                     if await request.is_disconnected():
-                        job.cancel()
-                        return Response(status_code=499)
+                        return Response(status_code=499)  # nobody reads it; `finally` cancels the job
+                if kind is None:
                     continue
                 if kind == "delta":
                     parts.append(payload)
