@@ -295,3 +295,16 @@ def test_non_streaming_client_that_hangs_up_cancels(server, engine, monkeypatch)
         time.sleep(0.05)
     assert _metric(url, key) == before + 1
     assert time.monotonic() - t0 < 3  # cancelled long before the 100 tokens (5 s) would be done
+
+
+def test_oversized_body_is_413_and_full_queue_is_503(server, monkeypatch):
+    url, state = server
+    big = json.dumps({"prompt": "w5 " * (3 << 20)})
+    r = httpx.post(url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    monkeypatch.setattr(state.scheduler, "max_waiting", 0)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "w5", "max_tokens": 3})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "overloaded"
+    monkeypatch.undo()
+    assert httpx.post(url + "/v1/completions", json={"prompt": "w5", "max_tokens": 3}, timeout=60).status_code == 200

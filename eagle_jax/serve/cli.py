@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, nothing else")
     srv = p.add_argument_group("server (--host/--port)")
     srv.add_argument("--max-active", type=int, default=8, help="generations in flight at once (default 8)")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="queued requests beyond which new ones get 503 + Retry-After (default 256)")
     srv.add_argument("--cache-buckets", default=None,
                      help="comma-separated cache lengths compiled at start (default 512 and --max-cache-len)")
     srv.add_argument("--default-max-tokens", type=int, default=512,
@@ -158,11 +160,13 @@ def _serve(args, method: str, budget) -> int:
 
     try:
         buckets = tuple(int(x) for x in args.cache_buckets.split(",")) if args.cache_buckets else ()
-        if args.max_active < 1 or args.steps_per_turn < 1 or args.default_max_tokens < 1:
-            raise ValueError("--max-active, --steps-per-turn and --default-max-tokens must be at least 1")
+        if min(args.max_active, args.steps_per_turn, args.default_max_tokens, args.max_waiting) < 1:
+            raise ValueError("--max-active, --max-waiting, --steps-per-turn and --default-max-tokens must be "
+                             "at least 1")
         opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, dtype=args.dtype,
                             attention=args.attention, max_cache_len=args.max_cache_len or 2048, cache_buckets=buckets,
-                            max_active=args.max_active, steps_per_turn=args.steps_per_turn,
+                            max_active=args.max_active, max_waiting=args.max_waiting,
+                            steps_per_turn=args.steps_per_turn,
                             default_max_tokens=args.default_max_tokens, served_model_name=args.served_model_name,
                             shutdown_timeout=args.shutdown_timeout)
         opts.buckets()

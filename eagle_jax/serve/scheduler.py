@@ -26,6 +26,10 @@ from ..streaming import IncrementalText, TokenStream
 log = logging.getLogger("eagle_jax.serve")
 
 
+class QueueFull(RuntimeError):
+    pass
+
+
 @dataclass
 class Job:
     """One generation request as the worker sees it."""
@@ -72,14 +76,17 @@ class Scheduler:
     Args:
       engine: the loaded `Engine` (its method, heads and budgets are used as they are).
       max_active: generations in flight at once (each holds its own KV cache).
+      max_waiting: queued requests beyond which `submit` refuses (`QueueFull`): back-pressure, so a
+        flood gets fast 503s instead of unbounded latency.
       steps_per_turn: device steps per turn (speculative steps or plain tokens).
       on_finish: called in the worker thread with each finished job (metrics).
     """
 
     def __init__(self, engine, max_active: int = 8, steps_per_turn: int = 1,
-                 on_finish: Optional[Callable[[Job], None]] = None):
+                 on_finish: Optional[Callable[[Job], None]] = None, max_waiting: int = 256):
         self.engine = engine
         self.max_active = max_active
+        self.max_waiting = max_waiting
         self.steps_per_turn = steps_per_turn
         self.on_finish = on_finish
         self.waiting: collections.deque[Job] = collections.deque()
@@ -105,6 +112,9 @@ class Scheduler:
         with self._cond:
             if not self._running:
                 raise RuntimeError("the server is shutting down")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"the server is at capacity ({len(self.active)} running, {len(self.waiting)} "
+                                f"queued); retry later")
             self.waiting.append(job)
             self._cond.notify()
 

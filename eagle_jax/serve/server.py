@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from . import openai_api as api
 from .metrics import ServerMetrics
-from .scheduler import Job, Scheduler
+from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger("eagle_jax.serve")
 
@@ -49,6 +49,8 @@ class ServeOptions:
     max_cache_len: int = 2048
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len
     max_active: int = 8
+    max_waiting: int = 256
+    max_body_bytes: int = 4 << 20
     steps_per_turn: int = 1
     default_max_tokens: int = 512
     served_model_name: Optional[str] = None
@@ -108,7 +110,8 @@ class ServerState:
             self.method = self.engine.method
             if o.warmup:
                 self.warm_up()
-            self.scheduler = Scheduler(self.engine, o.max_active, o.steps_per_turn, on_finish=self._on_finish)
+            self.scheduler = Scheduler(self.engine, o.max_active, o.steps_per_turn, on_finish=self._on_finish,
+                                       max_waiting=o.max_waiting)
             self.scheduler.start()
             self.ready, self.t_ready = True, time.time()
             self._say(f"ready in {time.perf_counter() - t0:.1f}s: model {self.model_name!r}, method {self.method}, "
@@ -168,6 +171,19 @@ class ServerState:
                    top_p=req.top_p, top_k=req.top_k, seed=seed, stop=req.stop)
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise api.APIError(f"the request body has {declared} bytes; the limit is {limit}", status=413)
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise api.APIError(f"the request body is over the limit of {limit} bytes", status=413)
+        chunks.append(part)
+    return b"".join(chunks)
+
+
 def _error(e: api.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -185,7 +201,7 @@ def create_app(state: ServerState) -> Starlette:
                 msg = (f"the model failed to load: {state.load_error}" if state.load_error
                        else "the model is still loading; retry when GET /health answers 200")
                 raise api.APIError(msg, status=503, type="server_error", code="not_ready")
-            body = api.decode_body(await request.body())
+            body = api.decode_body(await _read_body(request, state.opts.max_body_bytes))
             req = api.parse_chat(body) if kind == "chat" else api.parse_completion(body)
             job = state.make_job(req)
         except api.APIError as e:
@@ -194,6 +210,11 @@ def create_app(state: ServerState) -> Starlette:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         try:
             state.scheduler.submit(job)
+        except QueueFull as e:
+            count(endpoint, 503)
+            resp = _error(api.APIError(str(e), status=503, type="server_error", code="overloaded"))
+            resp.headers["Retry-After"] = "1"
+            return resp
         except RuntimeError as e:
             count(endpoint, 503)
             return _error(api.APIError(str(e), status=503, type="server_error"))
