@@ -48,6 +48,9 @@ def test_health_models_and_warm_shapes(server, engine):
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert models["data"][0]["eagle_jax"]["method"] == "eagle3"
     assert models["data"][0]["eagle_jax"]["context_length"] == CTX
+    assert httpx.get(url + "/v1/models/tiny").json() == models["data"][0]
+    r = httpx.get(url + "/v1/models/gpt-17")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_completion_equals_engine(client, engine):

@@ -295,15 +295,26 @@ def create_app(state: ServerState) -> Starlette:
     async def completions(request: Request):
         return await generate(request, "completion")
 
-    async def models(request: Request):
-        count("/v1/models", 200)
+    def _model_card() -> dict:
         info = {"method": state.method, "context_length": state.buckets[-1], "cache_buckets": list(state.buckets)}
         if state.engine is not None and state.method in state.engine.budgets:
             b = state.engine.budgets[state.method]
             info["tree_budget"] = {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k}
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": int(state.t_ready or time.time()),
-             "owned_by": "eagle_jax", "eagle_jax": info}]})
+        return {"id": state.model_name, "object": "model", "created": int(state.t_ready or time.time()),
+                "owned_by": "eagle_jax", "eagle_jax": info}
+
+    async def models(request: Request):
+        count("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [_model_card()]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name not in (state.model_name, state.opts.model):
+            count("/v1/models/{name}", 404)
+            return _error(api.APIError(f"the model {name!r} does not exist on this server; it serves "
+                                       f"{state.model_name!r}", "model", status=404, code="model_not_found"))
+        count("/v1/models/{name}", 200)
+        return JSONResponse(_model_card())
 
     async def health(request: Request):
         if state.ready:
@@ -336,6 +347,7 @@ def create_app(state: ServerState) -> Starlette:
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
