@@ -133,6 +133,32 @@ def test_kill_and_resume_is_exact(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000, name
 
 
+def test_stop_at_step_then_continue_equals_one_run(tmp_path):
+    ref, _ = _trainer(_toy_config(tmp_path / "ref", total=6, save_every=3))
+    ref.run()
+    ref.close()
+    part_cfg = _toy_config(tmp_path / "part", total=6, save_every=3)
+    part_cfg["train"]["stop_at_step"] = 3
+    part, _ = _trainer(part_cfg)
+    part.run()
+    part.close()
+    assert part.step_count == 3
+    part_cfg["train"]["stop_at_step"] = None
+    rest, _ = _trainer(part_cfg)
+    assert rest.restored_step == 3
+    rest.run()
+    rest.close()
+    assert rest.step_count == 6
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(ref.params)),
+                    jax.tree_util.tree_leaves(jax.device_get(rest.params)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "part" / "metrics.jsonl") if r["split"] == "train"]
+    ref_lrs = [r["lr"] for r in read_metrics(tmp_path / "ref" / "metrics.jsonl") if r["split"] == "train"]
+    assert lrs == ref_lrs  # the schedule spans total_steps whatever the stop
+    steps_per_s = [r["steps_per_s"] for r in read_metrics(tmp_path / "ref" / "metrics.jsonl") if r["split"] == "train"]
+    assert all(0 < v < 1e4 for v in steps_per_s)
+
+
 # ------------------------------------------------------------------------------ two processes
 def _free_port() -> int:
     import socket

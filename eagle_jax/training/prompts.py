@@ -366,7 +366,9 @@ def self_instruct_prompts(engine, seed_topics: Sequence[str], n: int, *, batch_s
 
     if not seed_topics:
         raise ValueError("self_instruct_prompts needs at least one seed topic")
-    rng = np.random.default_rng(seed)
+    # Extending an earlier run (`existing`) must not replay its draws: they would all come back as
+    # duplicates. The stream of topics and keys depends on how many prompts exist already.
+    rng = np.random.default_rng([seed, len(existing)] if existing else seed)
     eos = jnp.asarray(engine.eos_ids or [-1], jnp.int32)
     sp = SamplingParams.create(batch_size, temperature, top_p, 0)
     kept: list[dict] = []
@@ -394,6 +396,8 @@ def self_instruct_prompts(engine, seed_topics: Sequence[str], n: int, *, batch_s
             cache_len = -(-(max(len(r) for r in reqs) + max_new_tokens) // 64) * 64
             toks, lens = pack_prompts(reqs, cache_len)
             key = jax.random.PRNGKey(seed * 1000003 + rnd * 7919 + b0)
+            if existing:
+                key = jax.random.fold_in(key, len(existing))
             out = jax.device_get(generate_tokens(engine.params, engine.cfg, jnp.asarray(toks), jnp.asarray(lens),
                                                  jnp.int32(max_new_tokens), eos, sp, key,
                                                  prefill_chunk=engine.prefill_chunk))
@@ -405,6 +409,8 @@ def self_instruct_prompts(engine, seed_topics: Sequence[str], n: int, *, batch_s
                     rejected += 1
                     continue
                 cands.append({"id": "", "prompt": q, "source": "self-instruct", "topic": topic})
+            if bar is not None:
+                bar.set_postfix(round=rnd + 1, written=f"{b0 + len(chunk)}/{len(todo)}", refresh=True)
         before = len(kept)
         new_kept = drop_near_duplicates(cands, held_out, stats=dstats, reference=list(existing) + kept)
         dup += dstats["duplicates"]

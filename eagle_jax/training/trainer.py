@@ -54,6 +54,7 @@ class TrainConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 100
     total_steps: int = 1000
+    stop_at_step: Optional[int] = None  # end this run early (the schedule still spans total_steps)
     decay: str = "cosine"  # "cosine" | "linear" | "constant"
     end_lr_ratio: float = 0.0
     weight_decay: float = 0.0  # decoupled; never applied to biases and norm scales
@@ -84,6 +85,8 @@ class TrainConfig:
         if self.total_steps < 1 or not 0 <= self.warmup_steps <= self.total_steps:
             raise ValueError(f"need 0 <= warmup_steps ({self.warmup_steps}) <= total_steps ({self.total_steps}), "
                              "total_steps >= 1")
+        if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.total_steps:
+            raise ValueError(f"stop_at_step must be in [1, total_steps={self.total_steps}], got {self.stop_at_step}")
         if self.learning_rate <= 0 or not 0 <= self.end_lr_ratio <= 1:
             raise ValueError("learning_rate must be > 0 and end_lr_ratio in [0, 1]")
         if self.batch_size < 1 or self.seq_len < 1:
@@ -388,8 +391,9 @@ class Trainer:
             self.train_iter.set_state(mine)
 
     # -- metrics
-    def _log_train(self, step: int, window: list, seconds: float) -> dict:
-        host = jax.device_get(window)
+    def _log_train(self, step: int, window: list, t_start: float) -> dict:
+        host = jax.device_get(window)  # waits for the steps: dispatch is asynchronous
+        seconds = time.perf_counter() - t_start
         keys = host[-1].keys()
         avg = {k: float(np.mean([m[k] for m in host])) for k in keys}
         avg["lr"] = float(host[-1]["lr"])  # the current rate, not a window average
@@ -412,27 +416,28 @@ class Trainer:
 
     # -- the loop
     def run(self) -> TrainState:
-        """Train to `total_steps` (from the restored step), logging, evaluating and saving."""
+        """Train to `total_steps` (or `stop_at_step`) from the restored step, logging, evaluating and saving."""
         cfg = self.cfg
         step = start = self.step_count
-        if self.train_iter is None and step < cfg.total_steps:
+        end = cfg.total_steps if cfg.stop_at_step is None else cfg.stop_at_step
+        if self.train_iter is None and step < end:
             raise ValueError("Trainer.run needs a train_iter")
-        bar = tqdm(total=cfg.total_steps, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True,
+        bar = tqdm(total=end, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True,
                    disable=not (cfg.progress and self.is_main))
         window, t_log, last_eval = [], time.perf_counter(), -1
         try:
-            while step < cfg.total_steps:
+            while step < end:
                 try:
                     batch = next(self.train_iter)
                 except StopIteration:
-                    log.warning("the data iterator ended at step %d of %d", step, cfg.total_steps)
+                    log.warning("the data iterator ended at step %d of %d", step, end)
                     break
                 metrics = self.train_step(batch)
                 step += 1
                 window.append(metrics)
                 bar.update(1)
-                if step % cfg.log_every == 0 or step == cfg.total_steps:
-                    rec = self._log_train(step, window, time.perf_counter() - t_log)
+                if step % cfg.log_every == 0 or step == end:
+                    rec = self._log_train(step, window, t_log)
                     window, t_log = [], time.perf_counter()
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", **{k: f"{rec[k]:.3f}" for k in ("acc_0",) if k in rec})
                 if cfg.eval_every and step % cfg.eval_every == 0:
@@ -446,7 +451,7 @@ class Trainer:
                     log.warning("preemption notice at step %d: saving and stopping", step)
                     break  # all processes reach the same sync point; the save below is the last one
             if window:
-                self._log_train(step, window, time.perf_counter() - t_log)
+                self._log_train(step, window, t_log)
             if self.eval_fn is not None and step > start and last_eval != step:
                 self.evaluate()
             self.save(force=True)
