@@ -67,6 +67,18 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _field(body: dict, name: str, is_type, type_name: str, in_range, range_text: str):
+    """body[name] (None when absent) after a type check and a range check, each naming the field."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not is_type(v):
+        raise APIError(f"'{name}' must be {type_name}, got {json.dumps(v)}", name)
+    if not in_range(v):
+        raise APIError(f"'{name}' must be {range_text}, got {v}", name)
+    return v
+
+
 def _common(body: dict, kind: str) -> GenRequest:
     req = GenRequest(kind=kind, model=body.get("model"))
     if req.model is not None and not isinstance(req.model, str):
@@ -92,26 +104,14 @@ def _common(body: dict, kind: str) -> GenRequest:
             raise APIError(f"'{mt_key}' must be at least 1, got {mt}", mt_key)
         req.max_tokens, req.max_tokens_param = mt, mt_key
 
-    t = body.get("temperature")
+    t = _field(body, "temperature", _is_num, "a number", lambda v: 0 <= v <= 2, "between 0 and 2")
     if t is not None:
-        if not _is_num(t):
-            raise APIError(f"'temperature' must be a number, got {json.dumps(t)}", "temperature")
-        if not 0 <= t <= 2:
-            raise APIError(f"'temperature' must be between 0 and 2, got {t}", "temperature")
         req.temperature = float(t)
-    p = body.get("top_p")
+    p = _field(body, "top_p", _is_num, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
     if p is not None:
-        if not _is_num(p):
-            raise APIError(f"'top_p' must be a number, got {json.dumps(p)}", "top_p")
-        if not 0 < p <= 1:
-            raise APIError(f"'top_p' must be in (0, 1], got {p}", "top_p")
         req.top_p = float(p)
-    k = body.get("top_k")
+    k = _field(body, "top_k", _is_int, "an integer", lambda v: v >= -1, ">= 0 (or -1 for off)")
     if k is not None:
-        if not _is_int(k):
-            raise APIError(f"'top_k' must be an integer, got {json.dumps(k)}", "top_k")
-        if k < -1:
-            raise APIError(f"'top_k' must be >= 0 (or -1 for off), got {k}", "top_k")
         req.top_k = max(k, 0)
     s = body.get("seed")
     if s is not None:
