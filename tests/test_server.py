@@ -311,3 +311,18 @@ def test_oversized_body_is_413_and_full_queue_is_503(server, monkeypatch):
     assert r.json()["error"]["code"] == "overloaded"
     monkeypatch.undo()
     assert httpx.post(url + "/v1/completions", json={"prompt": "w5", "max_tokens": 3}, timeout=60).status_code == 200
+
+
+def test_api_key_is_enforced_when_set(server, monkeypatch):
+    import dataclasses
+
+    url, state = server
+    monkeypatch.setattr(state, "opts", dataclasses.replace(state.opts, api_key="sesame"))
+    body = {"prompt": "w5", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/health").status_code == 200  # probes need no key
+    ok = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+    assert ok.completions.create(model="tiny", prompt="w5", max_tokens=2).usage.completion_tokens >= 1

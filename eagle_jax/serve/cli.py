@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="max_tokens when a request gives none (capped by the context)")
     srv.add_argument("--steps-per-turn", type=int, default=1,
                      help="device steps per scheduling turn (higher: less overhead, coarser streaming)")
+    srv.add_argument("--api-key", default=None,
+                     help="require `Authorization: Bearer KEY` on /v1/* (default: $EAGLE_JAX_API_KEY, else open)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM")
@@ -168,7 +171,8 @@ def _serve(args, method: str, budget) -> int:
                             max_active=args.max_active, max_waiting=args.max_waiting,
                             steps_per_turn=args.steps_per_turn,
                             default_max_tokens=args.default_max_tokens, served_model_name=args.served_model_name,
-                            shutdown_timeout=args.shutdown_timeout)
+                            shutdown_timeout=args.shutdown_timeout,
+                            api_key=args.api_key or os.environ.get("EAGLE_JAX_API_KEY") or None)
         opts.buckets()
     except ValueError as e:
         return _fail(f"bad server option: {e}")

@@ -56,6 +56,7 @@ class ServeOptions:
     served_model_name: Optional[str] = None
     shutdown_timeout: float = 30.0
     warmup: bool = True
+    api_key: Optional[str] = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
 
     def buckets(self) -> tuple[int, ...]:
         b = self.cache_buckets or (512, self.max_cache_len)
@@ -194,9 +195,16 @@ def create_app(state: ServerState) -> Starlette:
     def count(endpoint: str, status: int):
         m.requests.labels(endpoint, str(status)).inc()
 
+    def authorize(request: Request):
+        key = state.opts.api_key
+        if key and not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {key}"):
+            raise api.APIError("a valid API key is required (Authorization: Bearer <key>)", status=401,
+                               type="authentication_error", code="invalid_api_key")
+
     async def generate(request: Request, kind: str):
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:
+            authorize(request)
             if not state.ready:
                 msg = (f"the model failed to load: {state.load_error}" if state.load_error
                        else "the model is still loading; retry when GET /health answers 200")
@@ -304,10 +312,20 @@ def create_app(state: ServerState) -> Starlette:
                 "owned_by": "eagle_jax", "eagle_jax": info}
 
     async def models(request: Request):
+        try:
+            authorize(request)
+        except api.APIError as e:
+            count("/v1/models", e.status)
+            return _error(e)
         count("/v1/models", 200)
         return JSONResponse({"object": "list", "data": [_model_card()]})
 
     async def model(request: Request):
+        try:
+            authorize(request)
+        except api.APIError as e:
+            count("/v1/models/{name}", e.status)
+            return _error(e)
         name = request.path_params["name"]
         if name not in (state.model_name, state.opts.model):
             count("/v1/models/{name}", 404)
