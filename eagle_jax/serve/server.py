@@ -311,28 +311,25 @@ def create_app(state: ServerState) -> Starlette:
         return {"id": state.model_name, "object": "model", "created": int(state.t_ready or time.time()),
                 "owned_by": "eagle_jax", "eagle_jax": info}
 
-    async def models(request: Request):
-        try:
-            authorize(request)
-        except api.APIError as e:
-            count("/v1/models", e.status)
-            return _error(e)
-        count("/v1/models", 200)
-        return JSONResponse({"object": "list", "data": [_model_card()]})
-
-    async def model(request: Request):
-        try:
-            authorize(request)
-        except api.APIError as e:
-            count("/v1/models/{name}", e.status)
-            return _error(e)
-        name = request.path_params["name"]
+    def models_response(request: Request) -> JSONResponse:
+        name = request.path_params.get("name")
+        authorize(request)
+        if name is None:
+            return JSONResponse({"object": "list", "data": [_model_card()]})
         if name not in (state.model_name, state.opts.model):
-            count("/v1/models/{name}", 404)
-            return _error(api.APIError(f"the model {name!r} does not exist on this server; it serves "
-                                       f"{state.model_name!r}", "model", status=404, code="model_not_found"))
-        count("/v1/models/{name}", 200)
+            raise api.APIError(f"the model {name!r} does not exist on this server; it serves {state.model_name!r}",
+                               "model", status=404, code="model_not_found")
         return JSONResponse(_model_card())
+
+    async def models(request: Request):
+        endpoint = "/v1/models" if "name" not in request.path_params else "/v1/models/{name}"
+        try:
+            resp = models_response(request)
+        except api.APIError as e:
+            count(endpoint, e.status)
+            return _error(e)
+        count(endpoint, 200)
+        return resp
 
     async def health(request: Request):
         if state.ready:
@@ -365,7 +362,7 @@ def create_app(state: ServerState) -> Starlette:
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
-              Route("/v1/models/{name:path}", model, methods=["GET"]),
+              Route("/v1/models/{name:path}", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
