@@ -29,7 +29,7 @@ class GenerateOutput(NamedTuple):
     target_calls: jax.Array  # [] target passes that produced tokens (the prefill pass, then one per step)
 
 
-def _count_trace(name: str):
+def count_trace(name: str):
     TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
 
 
@@ -125,7 +125,7 @@ def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_t
     tokens_bs: [B, S] prompts left-aligned; S is the cache length (static). eos_ids: [E] int32
     (pad with -1). A row stops at EOS (kept in the output), after max_new_tokens, or when full.
     """
-    _count_trace("generate")
+    count_trace("generate")
     st = _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
     st = jax.lax.while_loop(lambda st: ~jnp.all(st.done),
                             lambda st: _step(params, cfg, st, max_new_tokens, eos_ids, sp, key), st)
@@ -139,7 +139,7 @@ def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_t
 def decode_start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
                  key, prefill_chunk: int = 64) -> DecodeState:
     """Prefill and the first token; continue with `decode_advance`."""
-    _count_trace("decode_start")
+    count_trace("decode_start")
     return _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
 
 
@@ -147,7 +147,7 @@ def decode_start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_toke
 def decode_advance(params, cfg: ModelConfig, state: DecodeState, max_new_tokens, eos_ids, sp: SamplingParams, key,
                    n_steps) -> DecodeState:
     """Up to `n_steps` (dynamic) more decoding steps; stops early when every row is done."""
-    _count_trace("decode_advance")
+    count_trace("decode_advance")
     stop = state.step + n_steps
     return jax.lax.while_loop(lambda st: ~jnp.all(st.done) & (st.step < stop),
                               lambda st: _step(params, cfg, st, max_new_tokens, eos_ids, sp, key), state)

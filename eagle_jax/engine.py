@@ -182,37 +182,43 @@ class Engine:
                    max(self.max_cache_len, prompt_len + max_new_tokens))
 
     # ------------------------------------------------------------------ generation
+    def _request(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                 seed: int, cache_len: Optional[int], method: Optional[str]):
+        """Check a request and build its device arguments: (method, (tokens, lengths, max_new, eos, sp, key))."""
+        validate_sampling(temperature, top_p, top_k)
+        need = self.check_fits(len(prompt_ids), max_new_tokens)
+        cache_len = max(cache_len or need, len(prompt_ids) + max_new_tokens)
+        method = method or self.method
+        if method != "vanilla" and method not in self.heads:
+            raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
+        toks, lens = pack_prompts([prompt_ids], cache_len)
+        sp = SamplingParams.create(1, temperature, top_p, top_k)
+        eos = jnp.asarray(self.eos_ids or [-1], jnp.int32)
+        return method, (jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new_tokens), eos, sp,
+                        jax.random.PRNGKey(seed))
+
+    def finish_reason(self, new_tokens: Sequence[int]) -> str:
+        return "stop" if new_tokens and new_tokens[-1] in self.eos_ids else "length"
+
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, seed: int = 0, id=None,
                      cache_len: Optional[int] = None, method: Optional[str] = None) -> Generation:
         """Decode one tokenised prompt. `cache_len` pins the cache shape (the benchmark keeps one
         shape for all prompts); by default it is the prompt + new tokens rounded up to the bucket."""
-        validate_sampling(temperature, top_p, top_k)
-        need = self.check_fits(len(prompt_ids), max_new_tokens)
-        cache_len = max(cache_len or need, len(prompt_ids) + max_new_tokens)
-        toks, lens = pack_prompts([prompt_ids], cache_len)
-        sp = SamplingParams.create(1, temperature, top_p, top_k)
-        eos = jnp.asarray(self.eos_ids or [-1], jnp.int32)
-        method = method or self.method
-        args = (jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new_tokens), eos, sp, jax.random.PRNGKey(seed))
+        method, args = self._request(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, cache_len, method)
         t0 = time.perf_counter()
         if method == "vanilla":
             out = jax.device_get(generate_tokens(self.params, self.cfg, *args, prefill_chunk=self.prefill_chunk))
-            calls = int(out.target_calls)
-            accept = [1] * calls
         else:
-            if method not in self.heads:
-                raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
             out = jax.device_get(speculative_generate(self.params, self.cfg, self.heads[method], *args,
                                                       budget=self.budgets[method], prefill_chunk=self.prefill_chunk))
-            calls = int(out.target_calls[0])
-            accept = [1] + [int(a) for a in np.asarray(out.accept_lengths[0, :calls - 1])]  # prefill's token first
         seconds = time.perf_counter() - t0
+        calls, accept = call_stats(out)
         n = int(out.num_new[0])
         new = [int(t) for t in np.asarray(out.tokens[0, len(prompt_ids):len(prompt_ids) + n])]
-        finish = "stop" if new and new[-1] in self.eos_ids else "length"
         return Generation(id=id, text=self.decode(new), tokens=new, prompt_tokens=len(prompt_ids), new_tokens=n,
-                          target_calls=calls, accept_lengths=accept, seconds=seconds, finish_reason=finish)
+                          target_calls=calls, accept_lengths=accept, seconds=seconds,
+                          finish_reason=self.finish_reason(new))
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, *, raw: bool = False, **kw) -> Generation:
         return self.generate_ids(self.encode(prompt, raw=raw), max_new_tokens, **kw)
@@ -224,14 +230,15 @@ class Engine:
         arguments give the same tokens as `generate_ids`."""
         from .streaming import TokenStream
 
-        validate_sampling(temperature, top_p, top_k)
-        need = self.check_fits(len(prompt_ids), max_new_tokens)
-        cache_len = max(cache_len or need, len(prompt_ids) + max_new_tokens)
-        method = method or self.method
-        if method != "vanilla" and method not in self.heads:
-            raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
-        toks, _ = pack_prompts([prompt_ids], cache_len)
-        sp = SamplingParams.create(1, temperature, top_p, top_k)
-        eos = jnp.asarray(self.eos_ids or [-1], jnp.int32)
-        return TokenStream(self, method, jnp.asarray(toks), len(prompt_ids), max_new_tokens, eos, sp,
-                           jax.random.PRNGKey(seed))
+        method, args = self._request(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, cache_len, method)
+        return TokenStream(self, method, args)
+
+
+def call_stats(out) -> tuple[int, list[int]]:
+    """(target calls, tokens per call) of row 0 of a `GenerateOutput` or `SpecOutput` (host arrays);
+    the prefill's pass, which produced the first token, comes first."""
+    if out.target_calls.ndim == 0:  # plain decoding: one token per call
+        calls = int(out.target_calls)
+        return calls, [1] * calls
+    calls = int(out.target_calls[0])
+    return calls, [1] + [int(a) for a in np.asarray(out.accept_lengths[0, :calls - 1])]

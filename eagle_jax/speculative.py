@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .decoding import TRACE_COUNTS, prefill
+from .decoding import count_trace, prefill
 from .draft.drafting import TreeBudget, draft_tree
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
 from .models.config import ModelConfig
@@ -181,7 +181,7 @@ def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, toke
                          eos_ids, sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int = 64) -> SpecOutput:
     """Generate up to `max_new_tokens` per row with EAGLE speculation (same contract as
     `decoding.generate_tokens`: tokens_bs [B, S] left-aligned prompts, S static)."""
-    TRACE_COUNTS["speculative"] = TRACE_COUNTS.get("speculative", 0) + 1
+    count_trace("speculative")
     st = _start(target_params, tcfg, head, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, budget,
                 prefill_chunk)
     st = jax.lax.while_loop(
@@ -196,7 +196,7 @@ def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, toke
 def spec_start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens, eos_ids,
                sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int = 64) -> SpecState:
     """Target and head prefill and the first token; continue with `spec_advance`."""
-    TRACE_COUNTS["spec_start"] = TRACE_COUNTS.get("spec_start", 0) + 1
+    count_trace("spec_start")
     return _start(target_params, tcfg, head, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, budget,
                   prefill_chunk)
 
@@ -205,7 +205,7 @@ def spec_start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, pro
 def spec_advance(target_params, tcfg: ModelConfig, head: DraftHead, state: SpecState, max_new_tokens, eos_ids,
                  sp: SamplingParams, key, budget: TreeBudget, n_steps) -> SpecState:
     """Up to `n_steps` (dynamic) more verification steps; stops early when every row is done."""
-    TRACE_COUNTS["spec_advance"] = TRACE_COUNTS.get("spec_advance", 0) + 1
+    count_trace("spec_advance")
     stop = state.step + n_steps
     return jax.lax.while_loop(
         lambda st: ~jnp.all(st.done) & (st.step < stop),

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .decoding import decode_advance, decode_start
-from .speculative import spec_advance, spec_start
+from .decoding import decode_advance, decode_output, decode_start
+from .engine import call_stats
+from .speculative import spec_advance, spec_output, spec_start
 
 
 class TokenStream:
@@ -28,24 +29,28 @@ class TokenStream:
     `target_calls` and `accept_lengths` describe it so far.
     """
 
-    def __init__(self, engine, method: str, tokens_bs, prompt_len: int, max_new_tokens: int, eos, sp, key):
+    def __init__(self, engine, method: str, args: tuple):
+        """args: (tokens [1, S], prompt lengths [1], max_new_tokens, eos ids, sampling params, key)."""
         self.engine, self.method = engine, method
-        self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
-        self._args = (jnp.int32(max_new_tokens), eos, sp, key)
-        self._read = prompt_len  # tokens [prompt_len, _read) were returned already
+        tokens_bs, prompt_len_b, *self._args = args
+        self._read = int(prompt_len_b[0])  # tokens before _read were returned already
         self.tokens: list[int] = []
         self.t_start = time.perf_counter()
         e = engine
         if method == "vanilla":
-            self._state = decode_start(e.params, e.cfg, tokens_bs, jnp.asarray([prompt_len], jnp.int32),
-                                       *self._args, prefill_chunk=e.prefill_chunk)
+            self._state = decode_start(e.params, e.cfg, tokens_bs, prompt_len_b, *self._args,
+                                       prefill_chunk=e.prefill_chunk)
         else:
-            self._state = spec_start(e.params, e.cfg, e.heads[method], tokens_bs, jnp.asarray([prompt_len], jnp.int32),
-                                     *self._args, budget=e.budgets[method], prefill_chunk=e.prefill_chunk)
+            self._state = spec_start(e.params, e.cfg, e.heads[method], tokens_bs, prompt_len_b, *self._args,
+                                     budget=e.budgets[method], prefill_chunk=e.prefill_chunk)
         self.done = False
-        self._calls = 0
-        self._acc: list[int] = []
         self._first = True
+
+    def _output(self):
+        """The one-shot functions' output for the state so far (host arrays)."""
+        if self.method == "vanilla":
+            return jax.device_get(decode_output(self._state, self._args[0]))
+        return jax.device_get(spec_output(self._state))
 
     def advance(self, n_steps: int = 1) -> list[int]:
         """New token ids (the first call returns the prefill's token without running a step)."""
@@ -59,36 +64,26 @@ class TokenStream:
                 self._state = spec_advance(e.params, e.cfg, e.heads[self.method], self._state, *self._args,
                                            budget=e.budgets[self.method], n_steps=jnp.int32(n_steps))
         st = self._state
-        length, done, calls = jax.device_get((st.length[0], st.done[0], st.calls))
-        length = int(length)
+        length, done = (int(x) for x in jax.device_get((st.length[0], st.done[0])))
         new = [int(t) for t in np.asarray(jax.device_get(st.tokens[0, self._read:length]))] if length > self._read \
             else []
         self._read = length
         self.tokens.extend(new)
         self.done = bool(done)
-        if self.method == "vanilla":
-            self._calls = int(calls) + 1
-        else:
-            self._calls = int(np.asarray(calls)[0])
         return new
 
     @property
     def target_calls(self) -> int:
-        return self._calls
+        return call_stats(self._output())[0]
 
     @property
     def accept_lengths(self) -> list[int]:
         """Tokens per target pass, the prefill's first token included (as `Generation.accept_lengths`)."""
-        if self.method == "vanilla":
-            return [1] * self._calls
-        acc = np.asarray(jax.device_get(self._state.acc[0, :max(self._calls - 1, 0)]))
-        return [1] + [int(a) for a in acc]
+        return call_stats(self._output())[1]
 
     @property
     def finish_reason(self) -> Optional[str]:
-        if not self.done:
-            return None
-        return "stop" if self.tokens and self.tokens[-1] in self.engine.eos_ids else "length"
+        return self.engine.finish_reason(self.tokens) if self.done else None
 
 
 class IncrementalText:
@@ -120,8 +115,8 @@ class IncrementalText:
                 full = full[:-1]
             hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
             full = full[:len(full) - hold]
-        if len(full) < len(self.text) or not full.startswith(self.text):
+        if not full.startswith(self.text):
             # Detokenisation changed an earlier character (rare: merged whitespace). Keep what was sent.
-            full = self.text + full[len(self.text):] if len(full) > len(self.text) else self.text
+            full = self.text + full[len(self.text):]
         delta, self.text = full[len(self.text):], full
         return delta, self.stopped

@@ -130,7 +130,9 @@ def main(argv=None) -> int:
     from ..engine import Engine
 
     try:
-        cache = args.max_cache_len or (2048 if args.chat else None)
+        from .server import SERVING_CACHE_LEN
+
+        cache = args.max_cache_len or (SERVING_CACHE_LEN if args.chat else None)
         engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=cache,
                         method=method, drafter=args.drafter, budget=budget)
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
 
 
 def _serve(args, method: str, budget) -> int:
-    from .server import ServeOptions, run_server
+    from .server import SERVING_CACHE_LEN, ServeOptions, run_server
 
     try:
         buckets = tuple(int(x) for x in args.cache_buckets.split(",")) if args.cache_buckets else ()
@@ -167,7 +169,8 @@ def _serve(args, method: str, budget) -> int:
             raise ValueError("--max-active, --max-waiting, --steps-per-turn and --default-max-tokens must be "
                              "at least 1")
         opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, dtype=args.dtype,
-                            attention=args.attention, max_cache_len=args.max_cache_len or 2048, cache_buckets=buckets,
+                            attention=args.attention, max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
+                            cache_buckets=buckets,
                             max_active=args.max_active, max_waiting=args.max_waiting,
                             steps_per_turn=args.steps_per_turn,
                             default_max_tokens=args.default_max_tokens, served_model_name=args.served_model_name,

@@ -40,10 +40,10 @@ class ServerMetrics:
         self._tokens = 0
         self._calls = 0
 
-    def observe_job(self, job, prompt_tokens: int):
-        """Record a finished generation (called from the scheduler thread)."""
+    def observe_job(self, job):
+        """Record a finished `scheduler.Job` (called from the scheduler thread)."""
         self.finished.labels(job.finish_reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens.inc(len(job.prompt_ids))
         self.generation_tokens.inc(job.completion_tokens)
         s = job.stream
         if s is not None:
@@ -55,8 +55,7 @@ class ServerMetrics:
                 self.tau.set(self._tokens / self._calls)
             for a in s.accept_lengths:
                 self.accept_length.observe(a)
-            if s.t_start is not None:
-                self.queue_wait.observe(max(s.t_start - job.t_submit, 0.0))
+            self.queue_wait.observe(max(s.t_start - job.t_submit, 0.0))
         if job.t_end is not None:
             self.latency.observe(job.t_end - job.t_submit)
         if job.t_first is not None:

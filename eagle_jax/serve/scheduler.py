@@ -48,11 +48,14 @@ class Job:
     stream: Optional[TokenStream] = None
     text: Optional[IncrementalText] = None
     finish_reason: Optional[str] = None
-    completion_tokens: int = 0
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: Optional[float] = None
     t_end: Optional[float] = None
     _cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.stream.tokens) if self.stream is not None else 0
 
     def cancel(self):
         """Ask the worker to drop this job at its next turn (safe from any thread)."""
@@ -164,7 +167,6 @@ class Scheduler:
             job.post("error", f"generation failed: {type(e).__name__}: {e}")
             self._finish(job, "error")
             return True
-        job.completion_tokens += len(ids)
         delta, stopped = job.text.push(ids, final=job.stream.done)
         if ids and job.t_first is None:
             job.t_first = time.perf_counter()

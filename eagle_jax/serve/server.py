@@ -35,6 +35,8 @@ from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger("eagle_jax.serve")
 
+SERVING_CACHE_LEN = 2048  # default context of the server and the chat (a CPU-sized compile)
+
 
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
@@ -46,7 +48,7 @@ class ServeOptions:
     budget: Optional[object] = None  # a TreeBudget; None = the method's default
     dtype: str = "float32"
     attention: str = "reference"
-    max_cache_len: int = 2048
+    max_cache_len: int = SERVING_CACHE_LEN
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len
     max_active: int = 8
     max_waiting: int = 256
@@ -111,8 +113,8 @@ class ServerState:
             self.method = self.engine.method
             if o.warmup:
                 self.warm_up()
-            self.scheduler = Scheduler(self.engine, o.max_active, o.steps_per_turn, on_finish=self._on_finish,
-                                       max_waiting=o.max_waiting)
+            self.scheduler = Scheduler(self.engine, o.max_active, o.steps_per_turn,
+                                       on_finish=self.metrics.observe_job, max_waiting=o.max_waiting)
             self.scheduler.start()
             self.ready, self.t_ready = True, time.time()
             self._say(f"ready in {time.perf_counter() - t0:.1f}s: model {self.model_name!r}, method {self.method}, "
@@ -131,9 +133,6 @@ class ServerState:
             while not s.done:
                 s.advance(1)
             self._say(f"warmed cache bucket {b} ({i}/{len(self.buckets)}) in {time.perf_counter() - t:.1f}s")
-
-    def _on_finish(self, job: Job):
-        self.metrics.observe_job(job, len(job.prompt_ids))
 
     # -- request → job
     def make_job(self, req: api.GenRequest) -> Job:
@@ -234,6 +233,18 @@ def create_app(state: ServerState) -> Starlette:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(request, job, req, rid)
 
+    def _event_error(kind: str, payload) -> Optional[api.APIError]:
+        """The error a job's last event stands for: a failed generation, or one cancelled by shutdown."""
+        if kind == "error":
+            return api.APIError(payload, status=500, type="server_error")
+        if payload == "cancelled":
+            return api.APIError("the server is shutting down; the generation was cancelled", status=503,
+                                type="server_error")
+        return None
+
+    def _usage(job: Job) -> dict:
+        return api.usage(len(job.prompt_ids), job.completion_tokens)
+
     def _extra(job: Job) -> dict:
         s = job.stream
         calls = s.target_calls if s is not None else 0
@@ -258,15 +269,11 @@ def create_app(state: ServerState) -> Starlette:
                     continue
                 if kind == "delta":
                     parts.append(payload)
-                elif kind == "error":
-                    return _error(api.APIError(payload, status=500, type="server_error"))
-                elif payload == "cancelled":
-                    return _error(api.APIError("the server is shutting down; the request was cancelled",
-                                               status=503, type="server_error"))
+                elif (err := _event_error(kind, payload)) is not None:
+                    return _error(err)
                 else:
-                    use = api.usage(len(job.prompt_ids), job.completion_tokens)
                     return JSONResponse(api.full_response(req.kind, rid, state.model_name, "".join(parts), payload,
-                                                          use, _extra(job)))
+                                                          _usage(job), _extra(job)))
         finally:
             job.cancel()  # a no-op once finished; stops the worker if this handler was cancelled
 
@@ -280,19 +287,15 @@ def create_app(state: ServerState) -> Starlette:
                 kind, payload = await job.events.get()
                 if kind == "delta":
                     yield api.sse(api.chunk(k, rid, name, created, text=payload))
-                elif kind == "error":
-                    yield api.sse(api.APIError(payload, status=500, type="server_error").body())
-                    break
-                elif payload == "cancelled":
-                    yield api.sse(api.APIError("the server is shutting down; the generation was cancelled",
-                                               status=503, type="server_error").body())
-                    break
+                    continue
+                err = _event_error(kind, payload)
+                if err is not None:
+                    yield api.sse(err.body())
                 else:
                     yield api.sse(api.chunk(k, rid, name, created, finish=payload))
                     if req.include_usage:
-                        last = api.chunk(k, rid, name, created, use=api.usage(len(job.prompt_ids), job.completion_tokens))
-                        yield api.sse({**last, "eagle_jax": _extra(job)})
-                    break
+                        yield api.sse({**api.chunk(k, rid, name, created, use=_usage(job)), "eagle_jax": _extra(job)})
+                break
             yield api.SSE_DONE
         finally:
             job.cancel()
