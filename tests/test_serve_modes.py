@@ -53,7 +53,15 @@ def _stream(url, prompt, max_tokens, out: dict, first: threading.Event):
 def test_sigterm_finishes_in_flight_requests_then_exits(tiny_hf_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "eagle_jax.serve", "--model", str(tiny_hf_dir), "--port", str(port),
+    # The tiny model finishes a request in a fraction of a second, which would race the check that
+    # requests are queued at SIGTERM: the server process slows every scheduler turn by 25 ms instead.
+    launcher = ("import sys, time\n"
+                "from eagle_jax.serve import scheduler\n"
+                "turn = scheduler.Scheduler._turn\n"
+                "scheduler.Scheduler._turn = lambda self, job: (time.sleep(0.025), turn(self, job))[1]\n"
+                "from eagle_jax.serve.cli import main\n"
+                "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher, "--model", str(tiny_hf_dir), "--port", str(port),
                              "--method", "eagle3", "--drafter", "random", "--max-cache-len", "160",
                              "--cache-buckets", "160", "--max-active", "1", "--shutdown-timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
