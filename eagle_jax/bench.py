@@ -12,6 +12,9 @@ Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tr
 (EAGLE-1 head, dynamic tree), `eagle3` (EAGLE-3 head, dynamic tree), `hf` (transformers' greedy
 `generate` on the same weights, PyTorch on this machine's threads), `hf-pld` (transformers'
 prompt-lookup decoding). The eagle methods take their heads from `--drafter`.
+
+`python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
+against the reference path; see eagle_jax/kernels/bench.py).
 """
 
 from __future__ import annotations
@@ -179,6 +182,8 @@ def build_parser():
     p.add_argument("--methods", default="vanilla,hf")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
+                   help="target attention for the eagle_jax methods (pallas: the tree-attention kernel)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--drafter", default="default",
                    help="draft head for eagle methods: default, PATH, random or oracle (eagle1/eagle2 use an "
@@ -192,6 +197,10 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["kernel"]:  # the tree-attention microbenchmark
+        from .kernels.bench import main as kernel_main
+        return kernel_main(argv[1:])
     args = build_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in ALL_METHODS]
@@ -202,7 +211,7 @@ def main(argv=None) -> int:
 
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
     prompts = read_prompts(args.prompts or default_prompts_file())[: args.limit]
-    engine = Engine(args.model, dtype=args.dtype)
+    engine = Engine(args.model, dtype=args.dtype, attention=args.attention)
     for m in methods:
         if m in SPEC_METHODS:
             spec = args.drafter
@@ -216,6 +225,7 @@ def main(argv=None) -> int:
     result = {"methods": run_bench(engine, ids, methods, args.max_new_tokens, log), "machine": machine_info(),
               "settings": {"prompts": str(args.prompts or "packaged chat prompts"), "limit": len(ids),
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
+                           "attention": args.attention,
                            "drafter": args.drafter,
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     table = markdown_table(result["methods"])

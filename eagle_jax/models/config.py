@@ -95,9 +95,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.attention_impl != "reference":
-            raise UnsupportedConfigError(f"attention_impl {self.attention_impl!r} is not available: only 'reference' "
-                                         f"(jnp) attention is implemented so far; the Pallas kernel is not")
+        if self.attention_impl not in ("reference", "pallas"):
+            raise UnsupportedConfigError(f"attention_impl must be 'reference' (jnp) or 'pallas' (the tree-attention "
+                                         f"kernel), got {self.attention_impl!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UnsupportedConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:

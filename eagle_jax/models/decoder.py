@@ -99,6 +99,9 @@ def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optio
     slots_bt / attn_mask_bts (cached only): write the block's keys to these slots instead of
     `length + t`, and use this [B, T, S] visibility instead of the committed-prefix + block mask
     (drafters that keep scratch slots past the committed length use both).
+    With `cfg.attention_impl == "pallas"` a cached forward with the default slots and mask (prefill
+    chunks, decode steps, tree verification) runs the Pallas tree-attention kernel on the packed
+    block mask; everything else uses the jnp reference.
     """
     b, t = tokens_bt.shape
     if positions_bt is None:
@@ -128,8 +131,13 @@ def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optio
         (x, caps), _ = jax.lax.scan(body, (x, caps0), (params["layers"], jnp.arange(cfg.num_layers)))
         new_cache = None
     else:
-        mask = attn_mask_bts if attn_mask_bts is not None else attention_mask(
-            cfg, positions_bt, cache.length, block_mask_btt, cache.max_len)
+        if attn_mask_bts is None and slots_bt is None and cfg.attention_impl == "pallas":
+            from ..kernels.tree_attention import BlockMask, pack_bits
+
+            mask = BlockMask(cache.length, pack_bits(block_mask_btt), positions_bt.astype(jnp.int32))
+        else:
+            mask = attn_mask_bts if attn_mask_bts is not None else attention_mask(
+                cfg, positions_bt, cache.length, block_mask_btt, cache.max_len)
         slots = slots_bt if slots_bt is not None else cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
         def body(carry, xs):

@@ -75,7 +75,8 @@ class Attention(nn.Module):
     `cache` is None (attend within the block only) or `(k, v, layer, slots_bt)`: the full stacked
     cache `[L, B, S, Hkv, Dh]`, this layer's index, and the cache slots the block's keys go to.
     The new keys are scattered in place (slots past the end are dropped) and the queries attend to
-    all S slots of this layer under `mask_bts`.
+    all S slots of this layer under `mask_bts`, or, when `mask_bts` is a `kernels.BlockMask`
+    (compact: committed length, block bitmask, positions), through the Pallas tree-attention kernel.
     """
 
     cfg: ModelConfig
@@ -104,7 +105,14 @@ class Attention(nn.Module):
             rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
             k_all = k_all.at[layer, rows, slots_bt].set(k.astype(k_all.dtype), mode="drop")
             v_all = v_all.at[layer, rows, slots_bt].set(v.astype(v_all.dtype), mode="drop")
-            out = dense_attention(q, k_all[layer], v_all[layer], mask_bts)
+            if isinstance(mask_bts, tuple):  # kernels.BlockMask: the Pallas kernel, new keys read from k/v
+                from ..kernels.tree_attention import tree_attention
+
+                length_b, bits_btw, q_pos_bt = mask_bts
+                out = tree_attention(q, k_all[layer], v_all[layer], length_b, k, v, bits_btw, q_pos_bt,
+                                     window=cfg.sliding_window, impl="pallas")
+            else:
+                out = dense_attention(q, k_all[layer], v_all[layer], mask_bts)
             cache = (k_all, v_all)
         out = dense("o_proj", cfg.hidden_size, cfg.o_bias)(out.reshape(b, t, cfg.num_heads * cfg.head_dim))
         return out, cache
