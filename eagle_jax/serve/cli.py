@@ -42,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default="default",
                    help="draft head: 'default' (packaged), a directory in the released EAGLE layouts, "
                         "'random' (seeded random head) or 'oracle' (the target drafts for itself)")
-    p.add_argument("--total-tokens", type=int, default=None, help="dynamic tree: nodes verified per step (root incl.)")
+    p.add_argument("--total-tokens", type=_tokens_arg, default=None,
+                   help="dynamic tree: nodes verified per step (root incl.), or 'auto': the size tuned for this "
+                        "model, drafter and device (tuned once and saved if there is none yet)")
+    p.add_argument("--budget-config", type=Path, default=None,
+                   help="a tree budget saved by `python -m eagle_jax.bench --total-tokens auto` (JSON)")
     p.add_argument("--depth", type=int, default=None, help="dynamic tree: expansion steps")
     p.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree: children per node and frontier width")
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
@@ -76,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests may take to finish after SIGTERM")
     srv.add_argument("--system", default=None, help="--chat: a system message")
     return p
+
+
+def _tokens_arg(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tree tokens or 'auto', got {v!r}") from None
 
 
 def read_prompts(path: Path) -> list[tuple[object, str]]:
@@ -117,16 +130,18 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         return _fail(str(e))
 
-    from ..engine import default_budget
+    from ..autotune import resolve_budget
     from .server import pick_method
 
+    say = lambda msg: print(f"[eagle_jax] {msg}", file=sys.stderr, flush=True)
     try:
         method = pick_method(args.model, args.method, args.drafter)
-        budget = None if method == "vanilla" else default_budget(method, args.total_tokens, args.depth, args.tree_top_k)
+        budget, tune_path = resolve_budget(args.model, method, args.drafter, args.total_tokens, args.depth,
+                                           args.tree_top_k, args.budget_config, log=say)
     except ValueError as e:
         return _fail(str(e))
     if serving:
-        return _serve(args, method, budget)
+        return _serve(args, method, budget, tune_path)
 
     from ..engine import Engine
 
@@ -138,6 +153,10 @@ def main(argv=None) -> int:
                         method=method, drafter=args.drafter, budget=budget)
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         return _fail(str(e))
+    if tune_path is not None:
+        from ..autotune import tune_and_save
+
+        tune_and_save(engine, method, tune_path, log=say, drafter=args.drafter)
     if args.chat:
         from .chat import run_chat
 
@@ -161,7 +180,7 @@ def main(argv=None) -> int:
     return status
 
 
-def _serve(args, method: str, budget) -> int:
+def _serve(args, method: str, budget, tune_path=None) -> int:
     from .server import SERVING_CACHE_LEN, ServeOptions, run_server
 
     try:
@@ -169,7 +188,8 @@ def _serve(args, method: str, budget) -> int:
         if min(args.max_active, args.steps_per_turn, args.default_max_tokens, args.max_waiting) < 1:
             raise ValueError("--max-active, --max-waiting, --steps-per-turn and --default-max-tokens must be "
                              "at least 1")
-        opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, dtype=args.dtype,
+        opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, tune_path=tune_path,
+                            dtype=args.dtype,
                             attention=args.attention, max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
                             cache_buckets=buckets,
                             max_active=args.max_active, max_waiting=args.max_waiting,

@@ -21,6 +21,7 @@ import secrets
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 from starlette.applications import Starlette
@@ -46,6 +47,7 @@ class ServeOptions:
     method: Optional[str] = None  # None: eagle3 when a drafter is packaged for the model, else vanilla
     drafter: str = "default"
     budget: Optional[object] = None  # a TreeBudget; None = the method's default
+    tune_path: Optional[Path] = None  # autotune the tree budget at start-up and save it here
     dtype: str = "float32"
     attention: str = "reference"
     max_cache_len: int = SERVING_CACHE_LEN
@@ -109,6 +111,10 @@ class ServerState:
                 self.engine = Engine(o.model, dtype=o.dtype, attention=o.attention, max_cache_len=o.max_cache_len,
                                      method=method, drafter=o.drafter, budget=o.budget, progress=self.progress)
                 self.model_name = o.served_model_name or self.engine.name
+                if o.tune_path is not None and self.engine.method in ("eagle2", "eagle3"):
+                    from ..autotune import tune_and_save
+
+                    tune_and_save(self.engine, self.engine.method, o.tune_path, log=self._say, drafter=o.drafter)
             self.engine.max_cache_len = self.buckets[-1]
             self.method = self.engine.method
             if o.warmup:

@@ -1,0 +1,169 @@
+"""Tree-budget autotuning (`--total-tokens auto`): pick the dynamic tree's size for this device
+and this drafter by measurement, as the reference's `total_token=-1` does.
+
+For each candidate size N (nodes verified per step, root included; depth and top-k kept):
+
+- acceptance: greedy generation over a few calibration prompts gives tau(N) = new tokens per
+  target pass (the drafter's measured acceptance at that size);
+- cost: `step_profile.profile_spec_step` times one step at that size on this device (drafting,
+  verification of N tokens, and the rest);
+- expected tokens/s(N) = tau(N) / step time(N).
+
+The N with the highest expected tokens/s wins. Plain decoding is timed on the same prompts, so
+every candidate also gets a measured speedup (same run, same prompts). The result is a small
+JSON config (`save_budget` / `load_budget`) that `python -m eagle_jax.serve --budget-config FILE`
+uses; `python -m eagle_jax.bench --total-tokens auto` writes it, by default to
+`~/.cache/eagle_jax/budgets/<model>.<method>.<drafter>.<platform>.json`, where serve and the CLI
+look for it when given `--total-tokens auto`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+
+from .draft.drafting import TreeBudget
+from .step_profile import profile_spec_step
+
+DEFAULT_CANDIDATES = (8, 12, 16, 24, 32, 48)
+
+
+def budget_dir() -> Path:
+    return Path(os.environ.get("EAGLE_JAX_CACHE", Path.home() / ".cache" / "eagle_jax")) / "budgets"
+
+
+def device_tag() -> str:
+    d = jax.devices()[0]
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{d.platform}-{getattr(d, 'device_kind', '') or ''}").strip("-").lower()
+
+
+def default_budget_path(model: str, method: str, drafter: str) -> Path:
+    tag = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(str(s)).name or str(s))
+    return budget_dir() / f"{tag(model)}.{method}.{tag(drafter)}.{device_tag()}.json"
+
+
+def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates=DEFAULT_CANDIDATES,
+                    max_new_tokens: int = 64, reps: int = 8, log: Optional[Callable[[str], None]] = None) -> dict:
+    """Measure every candidate size; set the winner as `engine.budgets[method]`; return the record."""
+    if method not in ("eagle2", "eagle3"):
+        raise ValueError(f"autotuning sizes a dynamic tree (eagle2, eagle3); {method} has a static tree")
+    base = engine.budgets[method]
+    most = 1 + base.top_k + base.depth * base.top_k ** 2
+    sizes = sorted({n for n in candidates if 2 <= n <= most})
+    if not sizes:
+        raise ValueError(f"no candidate tree size fits depth {base.depth}, top-k {base.top_k} (2..{most})")
+    cache_len = max(len(p) for p in prompts) + max_new_tokens + 64
+    say = log or (lambda s: None)
+
+    def run(m):  # one warm-up generation (compile), then the calibration prompts
+        engine.generate_ids(prompts[0], max_new_tokens, method=m, cache_len=cache_len)
+        gens = [engine.generate_ids(p, max_new_tokens, method=m, cache_len=cache_len) for p in prompts]
+        new, calls = sum(g.new_tokens for g in gens), sum(g.target_calls for g in gens)
+        return new / sum(g.seconds for g in gens), new / calls
+
+    vanilla_tps, _ = run("vanilla")
+    say(f"autotune {method}: vanilla {vanilla_tps:.1f} tok/s on {len(prompts)} prompts")
+    rows = []
+    for n in sizes:
+        budget = TreeBudget("dynamic", total_tokens=n, depth=base.depth, top_k=base.top_k)
+        engine.budgets[method] = budget
+        tps, tau = run(method)
+        prof = profile_spec_step(engine, method, prompts[0], budget=budget, reps=reps, cache_len=cache_len)
+        row = {"total_tokens": n, "tau": tau, "step_ms": prof["step_ms"], "draft_ms": prof["draft_ms"],
+               "verify_ms": prof["verify_ms"], "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
+               "measured_tokens_per_s": tps, "measured_speedup": tps / vanilla_tps}
+        rows.append(row)
+        say(f"autotune {method}: N={n} tau {tau:.2f}, step {prof['step_ms']:.1f} ms (verify "
+            f"{prof['verify_ms']:.1f}), expected {row['expected_tokens_per_s']:.1f} tok/s, measured {tps:.1f}")
+    best = max(rows, key=lambda r: r["expected_tokens_per_s"])
+    chosen = TreeBudget("dynamic", total_tokens=best["total_tokens"], depth=base.depth, top_k=base.top_k)
+    engine.budgets[method] = chosen
+    say(f"autotune {method}: chose {chosen.total_tokens} tree tokens (depth {chosen.depth}, top-k {chosen.top_k})")
+    return {"method": method, "model": engine.name, "device": device_tag(),
+            "budget": {"kind": "dynamic", "total_tokens": chosen.total_tokens, "depth": chosen.depth,
+                       "top_k": chosen.top_k},
+            "vanilla_tokens_per_s": vanilla_tps, "candidates": rows, "max_new_tokens": max_new_tokens,
+            "prompts": len(prompts), "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+
+def save_budget(record: dict, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_budget(path: Path, method: Optional[str] = None) -> TreeBudget:
+    """The TreeBudget of a saved autotune record (or of a hand-written {"budget": {...}} file)."""
+    try:
+        rec = json.loads(Path(path).read_text())
+        b = rec["budget"]
+        if method is not None and rec.get("method", method) != method:
+            raise ValueError(f"{path} was tuned for {rec['method']}, not {method}")
+        return TreeBudget(b.get("kind", "dynamic"), total_tokens=int(b["total_tokens"]), depth=int(b["depth"]),
+                          top_k=int(b["top_k"]))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read a tree budget from {path}: {type(e).__name__}: {e}") from e
+
+
+def calibration_prompts(engine, n: int = 3) -> list[list[int]]:
+    """The first `n` packaged example chat prompts (not a benchmark set), tokenised."""
+    from importlib import resources
+
+    path = Path(str(resources.files("eagle_jax") / "data" / "chat_prompts.jsonl"))
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()][:n]
+    return [engine.encode(x["prompt"]) for x in lines]
+
+
+def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str], None]] = None,
+                  drafter: str = "") -> dict:
+    """Autotune `method` on the calibration prompts, set it on the engine and save it to `path`."""
+    rec = autotune_budget(engine, method, calibration_prompts(engine), log=log)
+    rec["drafter"] = drafter
+    rec["saved_to"] = str(save_budget(rec, path))
+    if log:
+        log(f"saved the tuned {method} budget to {path}")
+    return rec
+
+
+def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=None, top_k=None,
+                   budget_config=None, log: Optional[Callable[[str], None]] = None):
+    """The tree budget the CLI flags ask for: (TreeBudget or None for vanilla, path to tune into or None).
+
+    --budget-config FILE loads a saved budget; --total-tokens auto loads the one tuned for this
+    model / method / drafter / device if it was saved before, else asks the caller to tune it
+    (and save it to the returned path); a number or nothing gives `engine.default_budget`."""
+    from .engine import default_budget
+
+    if method == "vanilla":
+        return None, None
+    if budget_config is not None:
+        if total_tokens is not None:
+            raise ValueError("give either --budget-config or --total-tokens, not both")
+        budget = load_budget(budget_config, method)
+        if log:
+            log(f"tree budget from {budget_config}: {budget.total_tokens} tokens, depth {budget.depth}, "
+                f"top-k {budget.top_k}")
+        return budget, None
+    if total_tokens == "auto":
+        if method == "eagle1":
+            raise ValueError("eagle1 uses a static tree; --total-tokens auto applies to eagle2/eagle3")
+        path = default_budget_path(model, method, drafter)
+        if path.exists():
+            budget = load_budget(path, method)
+            if log:
+                log(f"tuned tree budget from {path}: {budget.total_tokens} tokens")
+            return budget, None
+        if log:
+            log(f"no tuned tree budget at {path} yet: tuning it once at start-up (a few minutes)")
+        return default_budget(method, None, depth, top_k), path
+    n = None if total_tokens is None else int(total_tokens)
+    return default_budget(method, n, depth, top_k), None

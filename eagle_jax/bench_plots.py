@@ -1,0 +1,112 @@
+"""PNG plots of a `python -m eagle_jax.bench` result (matplotlib, Agg backend; no display needed).
+
+    speedup.png     tokens/s relative to eagle_jax vanilla, per method and prompt set
+    acceptance.png  tau per method and prompt set; accept-length histograms of the eagle methods
+    time_split.png  a speculative step's drafting / verification / rest, per eagle method
+    budget.png      speedup against tree size (needs --total-tokens auto)
+
+`write_plots(result, out_dir)` returns the paths it wrote; plots whose data is absent are skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(result: dict) -> str:
+    m = result.get("machine", {})
+    s = result.get("settings", {})
+    return (f"{s.get('model', '')}, {s.get('max_new_tokens', '')} new tokens, greedy — "
+            f"{m.get('cpu', m.get('jax_backend', ''))} ({m.get('jax_backend', '')})")
+
+
+def _grouped_bars(ax, sets: dict, key: str, ylabel: str):
+    names = list(sets)
+    methods = list(next(iter(sets.values())))
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        vals = [sets[n][m].get(key) or 0.0 for n in names]
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
+        bars = ax.bar(xs, vals, width, label=m)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8, ncols=min(len(methods), 6))
+
+
+def write_plots(result: dict, out_dir: Path) -> list[Path]:
+    plt = _plt()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    sets = result.get("sets") or {"all": result["methods"]}
+
+    if any("speedup_vs_vanilla" in r for res in sets.values() for r in res.values()):
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        _grouped_bars(ax, sets, "speedup_vs_vanilla", "tokens/s ÷ eagle_jax vanilla")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_title("Speedup per method and prompt set\n" + _title(result), fontsize=9)
+        written.append(_save(fig, out_dir / "speedup.png"))
+
+    spec = {m: r for m, r in result["methods"].items() if r.get("accept_length_histogram")}
+    if spec:
+        fig, axes = plt.subplots(1, 1 + len(spec), figsize=(4 + 3.5 * len(spec), 4))
+        tau_sets = {n: {m: res[m] for m in res if res[m].get("tau") is not None} for n, res in sets.items()}
+        _grouped_bars(axes[0], tau_sets, "tau", "tau (tokens per target pass)")
+        axes[0].set_title("Mean acceptance length", fontsize=9)
+        for ax, (m, r) in zip(axes[1:], spec.items()):
+            hist = {int(k): v for k, v in r["accept_length_histogram"].items()}
+            total = sum(hist.values())
+            ax.bar(list(hist), [v / total for v in hist.values()])
+            ax.set_xlabel("tokens accepted per step (drafts + bonus)")
+            ax.set_ylabel("fraction of steps")
+            ax.set_title(f"{m}: tau {r['tau']:.2f}, {total} steps", fontsize=9)
+        fig.suptitle(_title(result), fontsize=9)
+        written.append(_save(fig, out_dir / "acceptance.png"))
+
+    splits = {m: r["time_split"] for m, r in result["methods"].items() if "time_split" in r}
+    if splits:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        bottom = [0.0] * len(splits)
+        for part in ("draft_ms", "verify_ms", "other_ms"):
+            vals = [max(s[part], 0.0) for s in splits.values()]
+            ax.bar(list(splits), vals, bottom=bottom, label=part[:-3])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel("ms per speculative step")
+        ax.legend(fontsize=8)
+        ax.set_title("Time per step: drafting, verification, the rest\n" + _title(result), fontsize=9)
+        written.append(_save(fig, out_dir / "time_split.png"))
+
+    tuned = result.get("autotune") or {}
+    if tuned:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for m, rec in tuned.items():
+            rows = rec["candidates"]
+            xs = [r["total_tokens"] for r in rows]
+            ax.plot(xs, [r["measured_speedup"] for r in rows], "o-", label=f"{m} measured")
+            ax.plot(xs, [r["expected_tokens_per_s"] / rec["vanilla_tokens_per_s"] for r in rows], "x--",
+                    label=f"{m} expected (tau ÷ step time)")
+            ax.axvline(rec["budget"]["total_tokens"], color="gray", lw=0.8, ls=":")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xlabel("tree tokens verified per step")
+        ax.set_ylabel("tokens/s ÷ vanilla")
+        ax.legend(fontsize=8)
+        ax.set_title("Speedup against tree budget (autotune)\n" + _title(result), fontsize=9)
+        written.append(_save(fig, out_dir / "budget.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path

@@ -1,0 +1,79 @@
+"""Where a speculative step's time goes: drafting, verification and the rest, measured.
+
+One speculative step is a single jitted computation (draft → verify → accept → commit), so its
+parts cannot be timed from inside. `profile_spec_step` times them as separate jitted programs on
+a real state (after the prompt's prefill) — the drafting alone (`draft_tree`), the verification
+alone (the target's pass over the padded tree, logits included) and the whole step
+(`spec_advance` by one step) — each the median of `reps` runs after a warm-up. `other_ms` is the
+whole step minus the two parts (acceptance, the KV commit, re-feeding the head, dispatch); it is
+a difference of medians, so it can come out slightly negative on a noisy machine.
+
+    split = profile_spec_step(engine, "eagle3", engine.encode("Hi"))
+    split["draft_ms"], split["verify_ms"], split["step_ms"]
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .draft.drafting import TreeBudget, draft_tree
+from .models.config import ModelConfig
+from .models.decoder import forward, lm_logits
+from .speculative import spec_advance, spec_start, target_capture
+from .tree.buffers import ancestor_mask, node_depths
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "budget"))
+def _draft(target_params, tcfg: ModelConfig, head, state, budget: TreeBudget):
+    return draft_tree(head, target_params, tcfg, state.h_root, state.root, state.dcache, budget)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "depth"))
+def _verify(target_params, tcfg: ModelConfig, head, state, tree, depth: int):
+    depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
+    out = forward(target_params, tcfg, tree.tokens_bn, state.tcache.length[:, None] + depth_bn, state.tcache,
+                  block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth),
+                  capture=target_capture(tcfg, head))
+    return lm_logits(target_params, tcfg, out.hidden), out.captured
+
+
+def _median_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())  # warm-up: compile, first-touch
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Optional[TreeBudget] = None,
+                      reps: int = 10, cache_len: Optional[int] = None) -> dict:
+    """{"draft_ms", "verify_ms", "step_ms", "other_ms", "draft_frac", "verify_frac", "tree_tokens"}
+    for one greedy step of `method` on `engine` right after `prompt_ids`' prefill."""
+    if method not in engine.heads:
+        raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
+    budget = budget or engine.budgets[method]
+    head = engine.heads[method]
+    _, args = engine._request(prompt_ids, 64, 0.0, 1.0, 0, 0, cache_len, method)
+    state = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
+    tree = _draft(engine.params, engine.cfg, head, state, budget)
+    draft_ms = _median_ms(lambda: _draft(engine.params, engine.cfg, head, state, budget), reps)
+    verify_ms = _median_ms(lambda: _verify(engine.params, engine.cfg, head, state, tree, budget.max_depth), reps)
+
+    def one_step():  # spec_advance donates its state: give it a fresh copy (copied before the clock starts)
+        return spec_advance(engine.params, engine.cfg, head, fresh.pop(), *args[2:], budget=budget,
+                            n_steps=jnp.int32(1))
+
+    fresh = [jax.tree.map(jnp.copy, state) for _ in range(reps + 1)]
+    jax.block_until_ready(fresh)
+    step_ms = _median_ms(one_step, reps)
+    return {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms,
+            "other_ms": step_ms - draft_ms - verify_ms, "draft_frac": draft_ms / step_ms,
+            "verify_frac": verify_ms / step_ms, "tree_tokens": budget.total_tokens}
