@@ -112,3 +112,23 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     assert f"tuned tree budget from {path}: {best['total_tokens']} tokens" in r.stderr
     with pytest.raises(ValueError, match="eagle2"):
         load_budget(path, "eagle2")
+
+
+def test_budget_flags_are_checked(tmp_path, monkeypatch):
+    from eagle_jax.autotune import load_budget, resolve_budget, save_budget
+
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
+    good = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 12, "depth": 4, "top_k": 3}},
+                       tmp_path / "b.json")
+    budget, tune = resolve_budget("m", "eagle3", "default", None, budget_config=good)
+    assert (budget.total_tokens, budget.depth, budget.top_k, tune) == (12, 4, 3, None)
+    with pytest.raises(ValueError, match="not both"):
+        resolve_budget("m", "eagle3", "default", 16, budget_config=good)
+    with pytest.raises(ValueError, match="static tree"):
+        resolve_budget("m", "eagle1", "default", "auto")
+    budget, tune = resolve_budget("m", "eagle3", "default", "auto")  # nothing saved yet: tune into the cache
+    assert budget.total_tokens == 24 and tune is not None and str(tune).startswith(str(tmp_path))
+    assert resolve_budget("m", "vanilla", "default", "auto") == (None, None)
+    (tmp_path / "bad.json").write_text('{"budget": {"total_tokens": 8}}')
+    with pytest.raises(ValueError, match="bad.json.*depth"):
+        load_budget(tmp_path / "bad.json")
