@@ -124,6 +124,30 @@ def test_kernel_sees_the_mask_and_every_block(rng):
     assert _err(_run(y, "pallas", backend="tpu-interpret", block_k=32), ref) > 1e-3
 
 
+@pytest.mark.parametrize("backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
+@pytest.mark.parametrize("t,d,dtype", [(24, 128, jnp.bfloat16), (128, 128, jnp.float32), (7, 64, jnp.bfloat16)])
+def test_kernels_lower_for_tpu_and_gpu(backend, platform, t, d, dtype):
+    """Without the hardware, the kernels still go through Pallas' Mosaic (TPU) and Triton (GPU)
+    lowering rules here (jax.export lowers for another platform); only the device compilers'
+    own checks (Mosaic layouts, PTX) stay untested. The TPU kernel refuses head_dim 64 with
+    several kv heads up front, naming the limit."""
+    from jax import export
+
+    b, h, kvh, s = 1, 8, 2, 1000
+    shapes = [((b, t, h, d), dtype), ((b, s, kvh, d), dtype), ((b, s, kvh, d), dtype), ((b,), jnp.int32),
+              ((b, t, kvh, d), dtype), ((b, t, kvh, d), dtype), ((b, t, (t + 31) // 32), jnp.int32), ((b, t), jnp.int32)]
+    fn = jax.jit(lambda *a: tree_attention(*a, impl="pallas", backend=backend))
+    if backend == "tpu" and d % 128:
+        with pytest.raises(ValueError, match="head_dim % 128"):
+            export.export(fn, platforms=[platform])(*[jax.ShapeDtypeStruct(*x) for x in shapes])
+        return
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if backend == "gpu" else []
+    exp = export.export(fn, platforms=[platform], disabled_checks=checks)(*[jax.ShapeDtypeStruct(*x) for x in shapes])
+    text = exp.mlir_module()
+    assert ("tpu_custom_call" in text) if backend == "tpu" else ("xla.gpu.triton" in text)
+    assert exp.out_avals[0].shape == (b, t, h, d)
+
+
 def test_pack_bits_round_trip(rng):
     for t in (1, 31, 32, 33, 128):
         mask = jnp.asarray(random_tree_mask(rng, 2, t)) | jnp.asarray(rng.random((2, t, t)) < 0.3)

@@ -11,7 +11,9 @@ the tree size and the bitmask words to powers of two (padded rows see nothing an
 padded tree keys are invisible); cache loads are masked past S, so S is arbitrary.
 
 `interpret=True` runs the same kernel under Pallas' interpreter (how the tests exercise it on
-CPU). No GPU was available to this project's sessions: the Triton lowering itself is untested.
+CPU). The tests also lower it for CUDA through `jax.export` (Pallas' Triton lowering rules, e.g.
+power-of-two shapes, are checked there); compiling the Triton IR to PTX and running it needs a
+GPU, which no session of this project has had.
 """
 
 from __future__ import annotations

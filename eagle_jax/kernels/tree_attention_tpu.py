@@ -17,7 +17,9 @@ be a multiple of 128 (or Hkv = 1) and bk a multiple of 8; interpret mode has no 
 Lowering: `interpret=False` compiles with Mosaic (TPU only); `interpret=True` runs Pallas'
 generic interpreter (what CPU uses); `interpret="tpu"` runs the TPU interpret mode
 (`pltpu.InterpretParams()`), which also checks TPU semantics such as DMA and scratch handling.
-What no test here reaches: Mosaic's own lowering (layout and tiling rules) — it needs a TPU.
+The tests also lower it for TPU through `jax.export` (Pallas' Mosaic lowering rules run there);
+what no test here reaches is Mosaic's own compilation (layout and tiling checks) and a run — that
+needs a TPU.
 """
 
 from __future__ import annotations
