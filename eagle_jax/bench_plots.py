@@ -25,7 +25,8 @@ def _plt():
 def _title(result: dict) -> str:
     m = result.get("machine", {})
     s = result.get("settings", {})
-    return (f"{s.get('model', '')}, {s.get('max_new_tokens', '')} new tokens, greedy — "
+    model = Path(str(s.get("model", ""))).name
+    return (f"{model}, {s.get('max_new_tokens', '')} new tokens, greedy — "
             f"{m.get('cpu', m.get('jax_backend', ''))} ({m.get('jax_backend', '')})")
 
 
@@ -57,7 +58,8 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         ax.set_title("Speedup per method and prompt set\n" + _title(result), fontsize=9)
         written.append(_save(fig, out_dir / "speedup.png"))
 
-    spec = {m: r for m, r in result["methods"].items() if r.get("accept_length_histogram")}
+    spec = {m: r for m, r in result["methods"].items()
+            if m.startswith("eagle") and r.get("accept_length_histogram")}
     if spec:
         fig, axes = plt.subplots(1, 1 + len(spec), figsize=(4 + 3.5 * len(spec), 4))
         tau_sets = {n: {m: res[m] for m in res if res[m].get("tau") is not None} for n, res in sets.items()}
