@@ -13,8 +13,8 @@ The N with the highest expected tokens/s wins. Plain decoding is timed on the sa
 every candidate also gets a measured speedup (same run, same prompts). The result is a small
 JSON config (`save_budget` / `load_budget`) that `python -m eagle_jax.serve --budget-config FILE`
 uses; `python -m eagle_jax.bench --total-tokens auto` writes it, by default to
-`~/.cache/eagle_jax/budgets/<model>.<method>.<drafter>.<platform>.json`, where serve and the CLI
-look for it when given `--total-tokens auto`.
+`~/.cache/eagle_jax/budgets/<model>.<method>.<drafter>.<device>.json`, where serve and the CLI
+find it by themselves (no tree flags, or `--total-tokens auto`, which tunes when nothing is saved).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 from .draft.drafting import TreeBudget
 from .step_profile import profile_spec_step
 
-DEFAULT_CANDIDATES = (8, 12, 16, 24, 32, 48)
+DEFAULT_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48)
 
 
 def budget_dir() -> Path:
@@ -140,7 +140,8 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
 
     --budget-config FILE loads a saved budget; --total-tokens auto loads the one tuned for this
     model / method / drafter / device if it was saved before, else asks the caller to tune it
-    (and save it to the returned path); a number or nothing gives `engine.default_budget`."""
+    (and save it to the returned path); no tree flag at all also picks up a saved tuned budget;
+    otherwise `engine.default_budget` applies."""
     from .engine import default_budget
 
     if method == "vanilla":
@@ -165,5 +166,12 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
         if log:
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (a few minutes)")
         return default_budget(method, None, depth, top_k), path
+    if total_tokens is None and depth is None and top_k is None and method != "eagle1":
+        path = default_budget_path(model, method, drafter)
+        if path.exists():  # tuned before on this device: the default
+            budget = load_budget(path, method)
+            if log:
+                log(f"tuned tree budget from {path}: {budget.total_tokens} tokens (--total-tokens N overrides)")
+            return budget, None
     n = None if total_tokens is None else int(total_tokens)
     return default_budget(method, n, depth, top_k), None

@@ -110,6 +110,10 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
                        env={**__import__("os").environ, "EAGLE_JAX_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
     assert f"tuned tree budget from {path}: {best['total_tokens']} tokens" in r.stderr
+    from eagle_jax.autotune import resolve_budget
+
+    assert resolve_budget(str(tiny_hf_dir), "eagle3", "random", None)[0].total_tokens == best["total_tokens"]
+    assert resolve_budget(str(tiny_hf_dir), "eagle3", "random", 5)[0].total_tokens == 5  # explicit flags win
     with pytest.raises(ValueError, match="eagle2"):
         load_budget(path, "eagle2")
 
