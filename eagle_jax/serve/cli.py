@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree: children per node and frontier width")
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="target attention: the jnp reference or the Pallas tree-attention kernel (Mosaic on TPU, "
-                        "Triton on GPU, Pallas' interpreter on CPU — correct there but slow)")
+                        "Triton on GPU, Pallas' interpreter elsewhere)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter/activation dtype (float32 is fastest on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=128)
