@@ -48,6 +48,12 @@ def default_budget_path(model: str, method: str, drafter: str) -> Path:
     return budget_dir() / f"{tag(model)}.{method}.{tag(drafter)}.{device_tag()}.json"
 
 
+def packaged_budget_path(model: str, method: str, drafter: str) -> Path:
+    """A budget tuned for this platform (cpu / gpu / tpu) that ships with eagle_jax, if any."""
+    return (Path(__file__).parent / "assets" / "budgets"
+            / f"{Path(str(model)).name}.{method}.{Path(str(drafter)).name}.{jax.devices()[0].platform}.json")
+
+
 def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates=DEFAULT_CANDIDATES,
                     max_new_tokens: int = 64, reps: int = 8, log: Optional[Callable[[str], None]] = None) -> dict:
     """Measure every candidate size; set the winner as `engine.budgets[method]`; return the record."""
@@ -140,8 +146,8 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
 
     --budget-config FILE loads a saved budget; --total-tokens auto loads the one tuned for this
     model / method / drafter / device if it was saved before, else asks the caller to tune it
-    (and save it to the returned path); no tree flag at all also picks up a saved tuned budget;
-    otherwise `engine.default_budget` applies."""
+    (and save it to the returned path); no tree flag at all picks up a budget saved for this device,
+    else one packaged for this platform (eagle_jax/assets/budgets/), else `engine.default_budget`."""
     from .engine import default_budget
 
     if method == "vanilla":
@@ -167,11 +173,11 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (a few minutes)")
         return default_budget(method, None, depth, top_k), path
     if total_tokens is None and depth is None and top_k is None and method != "eagle1":
-        path = default_budget_path(model, method, drafter)
-        if path.exists():  # tuned before on this device: the default
-            budget = load_budget(path, method)
-            if log:
-                log(f"tuned tree budget from {path}: {budget.total_tokens} tokens (--total-tokens N overrides)")
-            return budget, None
+        for path in (default_budget_path(model, method, drafter), packaged_budget_path(model, method, drafter)):
+            if path.exists():  # tuned before on this device, else shipped for this platform: the default
+                budget = load_budget(path, method)
+                if log:
+                    log(f"tuned tree budget from {path}: {budget.total_tokens} tokens (--total-tokens N overrides)")
+                return budget, None
     n = None if total_tokens is None else int(total_tokens)
     return default_budget(method, n, depth, top_k), None

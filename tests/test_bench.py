@@ -1,8 +1,11 @@
 """Benchmark bookkeeping on the tiny model (no timing assertions)."""
 
 import json
+from pathlib import Path
 
 import pytest
+
+import eagle_jax
 
 from eagle_jax import bench
 from eagle_jax.engine import Engine
@@ -133,6 +136,12 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     budget, tune = resolve_budget("m", "eagle3", "default", "auto")  # nothing saved yet: tune into the cache
     assert budget.total_tokens == 24 and tune is not None and str(tune).startswith(str(tmp_path))
     assert resolve_budget("m", "vanilla", "default", "auto") == (None, None)
+    # the packaged CPU budget of the default drafter applies when this machine has none of its own
+    packaged = load_budget(Path(eagle_jax.__file__).parent / "assets" / "budgets" /
+                           "smollm2-135m-instruct.eagle3.default.cpu.json", "eagle3")
+    assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", None)[0] == packaged
+    assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", 24)[0].total_tokens == 24
+    assert resolve_budget("smollm2-135m-instruct", "eagle3", "other-head", None)[0].total_tokens == 24
     (tmp_path / "bad.json").write_text('{"budget": {"total_tokens": 8}}')
     with pytest.raises(ValueError, match="bad.json.*depth"):
         load_budget(tmp_path / "bad.json")
