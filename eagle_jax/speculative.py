@@ -122,6 +122,17 @@ def _start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_
                      jnp.zeros((b, s), jnp.int32))
 
 
+def verify_tree(target_params, tcfg: ModelConfig, head: DraftHead, tcache: KVCache, tree, depth: int):
+    """The target's one pass over the padded tree (positions: committed length + node depth; the
+    ancestor mask inside the tree): (decoder output with the head's features and the cache holding
+    the tree's keys, float32 logits [B, N, V])."""
+    depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
+    out = forward(target_params, tcfg, tree.tokens_bn, tcache.length[:, None] + depth_bn, tcache,
+                  block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth),
+                  capture=target_capture(tcfg, head))
+    return out, lm_logits(target_params, tcfg, out.hidden)
+
+
 def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_new_tokens, eos_ids,
           sp: SamplingParams, key, budget: TreeBudget) -> SpecState:
     """One draft → verify → accept → commit → re-feed-the-head step (rows already done stay put)."""
@@ -134,11 +145,8 @@ def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_
     k_step = jax.random.fold_in(key, step + 1)
     p = tcache.length
     tree = draft_tree(head, target_params, tcfg, h_root, root, dcache, budget)
-    depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
-    out = forward(target_params, tcfg, tree.tokens_bn, p[:, None] + depth_bn, tcache,
-                  block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth),
-                  capture=target_capture(tcfg, head))
-    acc_res = accept_from_logits(k_step, *tree, lm_logits(target_params, tcfg, out.hidden), sp, depth)
+    out, logits = verify_tree(target_params, tcfg, head, tcache, tree, depth)
+    acc_res = accept_from_logits(k_step, *tree, logits, sp, depth)
     m = jnp.where(done, 0, acc_res.num_accepted_b)
     path = jnp.where(acc_res.path_bd >= 0, acc_res.path_bd, 0)
 

@@ -24,9 +24,7 @@ import jax.numpy as jnp
 
 from .draft.drafting import TreeBudget, draft_tree
 from .models.config import ModelConfig
-from .models.decoder import forward, lm_logits
-from .speculative import spec_advance, spec_start, target_capture
-from .tree.buffers import ancestor_mask, node_depths
+from .speculative import spec_advance, spec_start, verify_tree
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "budget"))
@@ -36,11 +34,8 @@ def _draft(target_params, tcfg: ModelConfig, head, state, budget: TreeBudget):
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "depth"))
 def _verify(target_params, tcfg: ModelConfig, head, state, tree, depth: int):
-    depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
-    out = forward(target_params, tcfg, tree.tokens_bn, state.tcache.length[:, None] + depth_bn, state.tcache,
-                  block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth),
-                  capture=target_capture(tcfg, head))
-    return lm_logits(target_params, tcfg, out.hidden), out.captured
+    out, logits = verify_tree(target_params, tcfg, head, state.tcache, tree, depth)
+    return logits, out.captured
 
 
 def _median_ms(fn, reps: int) -> float:
