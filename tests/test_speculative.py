@@ -9,9 +9,10 @@ import pytest
 from eagle_jax import speculative
 from eagle_jax.decoding import TRACE_COUNTS, generate_tokens, pack_prompts
 from eagle_jax.draft import DraftConfig, TreeBudget, init_head, oracle_head
+from eagle_jax.draft.drafting import draft_tree
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import speculative_generate
-from eagle_jax.tree import DEFAULT_STATIC_TREE
+from eagle_jax.tree import DEFAULT_STATIC_TREE, node_depths
 from test_sampling import _chi2_pvalue
 
 DYNAMIC = TreeBudget("dynamic", total_tokens=12, depth=4, top_k=3)
@@ -132,3 +133,31 @@ def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, mon
                      budget=DYNAMIC)
     speculative_generate.clear_cache()
     assert _chi2_pvalue([tuple(r) for r in np.asarray(biased.tokens[:, 5:8])], joint) < 1e-6
+
+
+def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):
+    """A tree of N nodes drafts N - 2 expansion levels, however deep the budget asks: the tree is
+    the one the unclipped drafter (5 levels) gives — deeper levels could never be kept."""
+    _, cfg, params = tiny_llama
+    clipped = TreeBudget("dynamic", total_tokens=5, depth=5, top_k=3)
+    assert (clipped.depth, clipped.max_depth) == (3, 4)
+    assert TreeBudget("dynamic", total_tokens=2, depth=5, top_k=3).depth == 1
+    assert TreeBudget("dynamic", total_tokens=24, depth=5, top_k=4).depth == 5
+    unclipped = TreeBudget("dynamic", total_tokens=5, depth=3, top_k=3)
+    object.__setattr__(unclipped, "depth", 5)  # what the drafter did before the clip
+    flat = _heads(cfg, params)["eagle3-random"]
+    # Peaked logits: the best nodes form a chain down to level N - 1 (the deepest a tree of N holds).
+    peaked = flat.replace(params={**flat.params, "lm_head": {"kernel": 200.0 * flat.params["lm_head"]["kernel"]}})
+    for head in (flat, peaked, _heads(cfg, params)["eagle1-random"]):
+        prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 33)]
+        toks, lens = pack_prompts(prompts, 64)
+        st = speculative.spec_start(params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(8),
+                                    jnp.asarray([-1], jnp.int32), SamplingParams.create(3), jax.random.PRNGKey(0),
+                                    budget=unclipped, prefill_chunk=16)
+        a = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, clipped)
+        b = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, unclipped)
+        assert bool(jnp.all(b.valid_bn))
+        if head is peaked:
+            assert int(jnp.max(node_depths(b.parents_bn, b.valid_bn, unclipped.max_depth))) == 4
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -36,7 +36,10 @@ class TreeBudget:
     """Static shape of a speculative step (a hashable jit static argument).
 
     dynamic (EAGLE-2): `depth` expansion steps of `top_k` frontier nodes, reranked to the best
-    `total_tokens` nodes (root included); tree depth ≤ depth + 1.
+    `total_tokens` nodes (root included); tree depth ≤ depth + 1. A tree of N nodes cannot hold a
+    node below level N - 1 (a kept node's ancestors are kept: path values only fall along a path),
+    so `depth` is clipped to N - 2 expansions: the same tree, without drafting levels that could
+    never be kept (a 4-token tree drafts 2 levels, not 5).
     static (EAGLE-1): the fixed tree `static_tree`; total_tokens = its node count.
     """
 
@@ -62,6 +65,7 @@ class TreeBudget:
             if not 2 <= self.total_tokens <= most:
                 raise ValueError(f"total_tokens must be in [2, {most}] for top_k={self.top_k}, depth={self.depth}; "
                                  f"got {self.total_tokens}")
+            object.__setattr__(self, "depth", min(self.depth, max(1, self.total_tokens - 2)))
 
     @property
     def max_depth(self) -> int:
