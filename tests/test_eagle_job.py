@@ -1,5 +1,6 @@
-"""End to end on the tiny target: conversations → `python -m eagle_jax.train` (eagle1 online,
-eagle3 offline) → exported head in the released layout → lossless speculative decoding with it."""
+"""End to end on the tiny target: conversations → `python -m eagle_jax.train` (eagle1 and eagle3,
+online and offline features, padded or packed rows) → exported head in the released layout →
+lossless speculative decoding with it."""
 
 import json
 
@@ -21,15 +22,16 @@ def _conversations(path, rng, n=24):
         f.write("{not json\n")  # reported with its line number and skipped
 
 
-@pytest.mark.parametrize("kind,features", [("eagle1", "online"), ("eagle3", "offline")])
-def test_train_export_and_decode(tiny_hf_dir, tmp_path, rng, kind, features, capsys):
+@pytest.mark.parametrize("kind,features,pack", [("eagle1", "online", False), ("eagle3", "offline", False),
+                                                ("eagle3", "online", True), ("eagle1", "offline", True)])
+def test_train_export_and_decode(tiny_hf_dir, tmp_path, rng, kind, features, pack, capsys):
     data = tmp_path / "train.jsonl"
     _conversations(data, rng)
     cfg = {
         "job": kind,
         "model": {"target": str(tiny_hf_dir), "draft_vocab_size": 48},
         "data": {"train": str(data), "eval": str(data), "max_len": 40, "features": features,
-                 "feature_dir": str(tmp_path / "feats"), "eval_batches": 1},
+                 "feature_dir": str(tmp_path / "feats"), "eval_batches": 1, "pack": pack},
         "objective": {"ttt_length": 2} if kind == "eagle3" else {"noise": 0.1},
         "train": {"learning_rate": 1e-3, "warmup_steps": 1, "total_steps": 3, "batch_size": 4, "seq_len": 40,
                   "output_dir": str(tmp_path / "run"), "save_every": 2, "log_every": 1, "eval_every": 3,
@@ -40,6 +42,7 @@ def test_train_export_and_decode(tiny_hf_dir, tmp_path, rng, kind, features, cap
     assert train.main(["--config", str(tmp_path / "cfg.json")]) == 0
     out = capsys.readouterr()
     assert "train.jsonl:25" in out.err  # the malformed line, by number
+    assert ("packing: 24 conversations in" in out.err) == pack
     summary = json.loads(out.out.splitlines()[-1])
     assert summary["step"] == 3 and np.isfinite(summary["train"]["loss"])
     assert "acc_0" in summary["eval"]

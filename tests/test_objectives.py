@@ -138,3 +138,53 @@ def test_offline_features_give_the_online_loss(setup, kind):
     offline = dict(batch, features=feats, hidden=hidden, target_argmax=target_argmax(params, cfg, hidden))
     np.testing.assert_allclose(float(loss_fn(head.params, aux, offline, jax.random.PRNGKey(0))[0]), float(online),
                                rtol=1e-6)
+
+
+def _packed_and_unpacked(cfg, seq=16):
+    """Three examples (lengths 5, 7, 4) as three padded rows, and packed as [A B | C]."""
+    from eagle_jax.training.data import pack_row, pad_example
+
+    rng = np.random.default_rng(7)
+    exs = [{"input_ids": rng.integers(0, cfg.vocab_size, n).tolist(),
+            "loss_mask": (rng.random(n) < 0.8).astype(np.float32).tolist()} for n in (5, 7, 4)]
+    stack = lambda rows: {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+    unpacked = stack([pad_example(e, seq) for e in exs])
+    packed = stack([pack_row(exs[:2], seq), pack_row(exs[2:], seq)])
+    return unpacked, packed
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_packed_rows_score_what_separate_rows_score(setup, kind, features):
+    """A packed row keeps its examples apart (target and head attention inside a segment, positions
+    restarting, no target across a boundary): loss and every metric equal the unpacked batch's."""
+    from eagle_jax.training.objectives import target_argmax
+
+    cfg, params, head3, _ = setup
+    head = head3 if kind == "eagle3" else init_head(DraftConfig.for_target("eagle1", cfg), jax.random.PRNGKey(1))
+    aux = {"target": params, "d2t": head.d2t} if kind == "eagle3" else {"target": params}
+    loss_fn = make_loss_fn(ObjectiveConfig(kind, ttt_length=3, noise=0.0), head.cfg, cfg)
+    unpacked, packed = _packed_and_unpacked(cfg)
+    if features == "offline":  # features cached per example, laid side by side as the offline source does
+        def add(batch, rows_of):
+            feats, hidden = teacher(params, cfg, head.cfg, unpacked["input_ids"])
+            fb = np.zeros((len(rows_of), 16, feats.shape[-1]), np.float32)
+            hb = np.zeros((len(rows_of), 16, hidden.shape[-1]), np.float32)
+            for r, members in enumerate(rows_of):
+                at = 0
+                for i in members:
+                    n = int(unpacked["lengths"][i])
+                    fb[r, at:at + n], hb[r, at:at + n] = feats[i, :n], hidden[i, :n]
+                    at += n
+            hb = jnp.asarray(hb)
+            return dict(batch, features=jnp.asarray(fb), hidden=hb, target_argmax=target_argmax(params, cfg, hb))
+        unpacked, packed = add(unpacked, [[0], [1], [2]]), add(packed, [[0, 1], [2]])
+    lu, mu = loss_fn(head.params, aux, unpacked, jax.random.PRNGKey(0))
+    lp, mp = loss_fn(head.params, aux, packed, jax.random.PRNGKey(0))
+    assert float(mu["tokens"]) > 0 and set(mu) == set(mp)
+    for k in mu:
+        np.testing.assert_allclose(float(mp[k]), float(mu[k]), rtol=2e-5, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(float(lp), float(lu), rtol=2e-5)
+    # and the segments matter: the same row read as one example scores something else
+    merged = {k: v for k, v in packed.items() if k not in ("segment_ids", "positions")}
+    assert abs(float(loss_fn(head.params, aux, merged, jax.random.PRNGKey(0))[0]) - float(lu)) > 1e-4

@@ -289,6 +289,48 @@ def test_short_last_batch_padded_with_empty_rows():
     assert batches[1]["lengths"].tolist()[2:] == [0, 0] and not batches[1]["loss_mask"][2:].any()
 
 
+def test_pack_plan_fits_and_covers_once():
+    lengths = [9, 3, 16, 20, 5, 7, 1, 8, 12, 4]
+    plan = D.pack_plan(lengths, 16)
+    flat = sorted(i for row in plan for i in row)
+    assert flat == list(range(len(lengths)))
+    assert all(sum(min(lengths[i], 16) for i in row) <= 16 for row in plan)
+    assert len(plan) == 6  # first-fit decreasing: 16 and 20 alone; 12+4, 9+7, 8+5+3; then 1 on its own
+    assert D.pack_plan(lengths, 16) == plan  # deterministic
+
+
+def test_pack_row_segments_and_positions():
+    exs = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8, 9], "loss_mask": [0, 1]}]
+    r = D.pack_row(exs, 8)
+    assert r["input_ids"].tolist() == [5, 6, 7, 8, 9, 0, 0, 0] and r["lengths"] == 5
+    assert r["loss_mask"].tolist() == [0, 1, 1, 0, 1, 0, 0, 0]
+    assert r["segment_ids"].tolist() == [1, 1, 1, 2, 2, 0, 0, 0]
+    assert r["positions"].tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match="do not fit"):
+        D.pack_row(exs + exs, 8)
+
+
+def test_packed_dataset_covers_every_example_once_per_epoch():
+    exs = toy_examples(37)
+    it = D.make_dataset(exs, batch_size=3, seq_len=16, seed=0, num_epochs=1, shard_index=0, shard_count=1,
+                        drop_remainder=False, pack=True)
+    seen, rows = [], 0
+    for b in it:
+        assert b["segment_ids"].shape == b["positions"].shape == (3, 16)
+        for r in range(3):
+            seg = b["segment_ids"][r]
+            for k in range(1, seg.max() + 1):
+                at = np.flatnonzero(seg == k)
+                ex = exs[int(b["input_ids"][r, at[0]]) - 1000]
+                n = min(len(ex["input_ids"]), 16)
+                assert len(at) == n and b["positions"][r, at].tolist() == list(range(n))
+                assert np.array_equal(b["input_ids"][r, at], ex["input_ids"][:n])
+                assert np.array_equal(b["loss_mask"][r, at], ex["loss_mask"][:n])
+                seen.append(int(b["input_ids"][r, at[0]]))
+            rows += int(b["lengths"][r] > 0)
+    assert sorted(seen) == list(range(1000, 1037)) and rows < 37
+
+
 # ---------------------------------------------------------------------------------- vocab
 def test_draft_vocab_order_ties_and_mapping():
     counts = np.array([5, 0, 9, 9, 1, 7, 0, 3], np.int64)

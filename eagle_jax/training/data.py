@@ -270,16 +270,62 @@ def pad_example(ex: dict, seq_len: int, pad_id: int = 0) -> dict:
     return {"input_ids": out_ids, "loss_mask": out_mask, "lengths": np.int32(n)}
 
 
+def pack_plan(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Rows of example indices whose (cut) lengths fit `seq_len` together: first-fit decreasing
+    (ties by index, so the plan is deterministic). Each example appears exactly once."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    order = sorted(range(len(lengths)), key=lambda i: (-min(lengths[i], seq_len), i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = min(lengths[i], seq_len)
+        for r, f in enumerate(free):
+            if n <= f:
+                rows[r].append(i)
+                free[r] -= n
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - n)
+    return rows
+
+
+def pack_row(exs: Sequence[dict], seq_len: int, pad_id: int = 0) -> dict:
+    """Several examples in one row of seq_len: `pad_example`'s keys plus "segment_ids" (1, 2, ... per
+    example, 0 on padding) and "positions" (restarting at 0 in each example). The objectives keep
+    the examples apart: attention stays inside a segment and no target crosses a boundary, so a
+    packed row scores exactly what its examples would score in rows of their own."""
+    out = pad_example({"input_ids": [], "loss_mask": []}, seq_len, pad_id)
+    seg = np.zeros((seq_len,), np.int32)
+    pos = np.zeros((seq_len,), np.int32)
+    at = 0
+    for k, ex in enumerate(exs):
+        row = pad_example(ex, seq_len, pad_id)
+        n = int(row["lengths"])
+        if at + n > seq_len:
+            raise ValueError(f"examples of {at + n} tokens do not fit one row of {seq_len}")
+        out["input_ids"][at:at + n] = row["input_ids"][:n]
+        out["loss_mask"][at:at + n] = row["loss_mask"][:n]
+        seg[at:at + n], pos[at:at + n] = k + 1, np.arange(n)
+        at += n
+    out["lengths"] = np.int32(at)
+    out["segment_ids"], out["positions"] = seg, pos
+    return out
+
+
 def _stack_batch(rows: Sequence[dict], batch_size: int, seq_len: int, pad_id: int) -> dict:
     """Stack padded examples; a short final batch is filled with empty rows (length 0, mask 0) so
     every batch has the static shape [batch_size, seq_len]."""
     out = {"input_ids": np.full((batch_size, seq_len), pad_id, np.int32),
            "loss_mask": np.zeros((batch_size, seq_len), np.float32),
            "lengths": np.zeros((batch_size,), np.int32)}
+    if rows and "segment_ids" in rows[0]:
+        out["segment_ids"] = np.zeros((batch_size, seq_len), np.int32)
+        out["positions"] = np.zeros((batch_size, seq_len), np.int32)
     for i, r in enumerate(rows):
-        out["input_ids"][i] = r["input_ids"]
-        out["loss_mask"][i] = r["loss_mask"]
-        out["lengths"][i] = r["lengths"]
+        for k in out:
+            out[k][i] = r[k]
     return out
 
 
@@ -292,7 +338,7 @@ def _default_shard():
 def make_dataset(examples: Sequence[dict], batch_size: int, seq_len: int, seed: int = 0, shuffle: bool = True,
                  num_epochs: Optional[int] = None, shard_index: Optional[int] = None,
                  shard_count: Optional[int] = None, drop_remainder: bool = True, pad_id: int = 0,
-                 read_options=None):
+                 read_options=None, pack: bool = False):
     """A grain iterator over padded batches of `examples` (dicts with input_ids / loss_mask).
 
     Pipeline: MapDataset.source → this process's shard (`ds[shard_index::shard_count]`, by default
@@ -303,6 +349,8 @@ def make_dataset(examples: Sequence[dict], batch_size: int, seq_len: int, seed: 
     {"input_ids": int32 [B, L], "loss_mask": float32 [B, L], "lengths": int32 [B]};
     `it.get_state()` / `it.set_state(state)` resume deterministically (restoring a saved state in a
     fresh iterator built with the same arguments yields the same next batches).
+    pack=True: the elements are rows of several examples (`pack_plan` over this process's shard,
+    `pack_row`), which add "segment_ids" and "positions" [B, L] to the batch.
     """
     import grain
 
@@ -316,14 +364,17 @@ def make_dataset(examples: Sequence[dict], batch_size: int, seq_len: int, seed: 
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
     if len(examples) < shard_count:
         raise ValueError(f"{len(examples)} examples cannot be sharded over {shard_count} processes")
-    ds = grain.MapDataset.source(list(examples))
-    if shard_count > 1:
-        ds = ds[shard_index::shard_count]
+    examples = list(examples)[shard_index::shard_count]
+    if pack:
+        plan = pack_plan([len(e["input_ids"]) for e in examples], seq_len)
+        ds = grain.MapDataset.source([[examples[i] for i in row] for row in plan])
+    else:
+        ds = grain.MapDataset.source(examples)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)
-    ds = ds.map(lambda ex: pad_example(ex, seq_len, pad_id))
+    ds = ds.map((lambda exs: pack_row(exs, seq_len, pad_id)) if pack else (lambda ex: pad_example(ex, seq_len, pad_id)))
     ds = ds.batch(batch_size, drop_remainder=drop_remainder,
                   batch_fn=lambda rows: _stack_batch(rows, batch_size, seq_len, pad_id))
     if read_options is None:  # grain's default (16 threads, 500 elements ahead) starves a small host

@@ -5,7 +5,8 @@ Config sections (defaults in MODEL / DATA / OBJECTIVE below):
              optional warm start from a drafter directory
   data:      train/eval JSONL conversations (ShareGPT or messages layout), max_len, how to treat bad
              lines, target features "online" (the frozen target runs inside the step) or "offline"
-             (cached once under feature_dir, then streamed)
+             (cached once under feature_dir, then streamed), `pack` (several conversations per row,
+             kept apart by segment ids: no step computes padding it could fill)
   objective: ObjectiveConfig fields (ttt_length, step_decay, noise, v_weight, p_weight)
   export:    where the finished head is written in the released EAGLE layout (and its dtype)
 
@@ -24,7 +25,7 @@ import numpy as np
 from ..draft import DraftConfig, DraftHead, init_head, load_drafter, save_drafter
 from ..models.checkpoint import load_hf_dir
 from ..models.registry import resolve_model
-from .data import load_examples, make_dataset, pad_example
+from .data import load_examples, make_dataset, pack_plan, pack_row, pad_example
 from .features import FeatureStore, cache_features
 from .objectives import ObjectiveConfig, make_loss_fn
 from .trainer import TrainConfig
@@ -34,7 +35,7 @@ from ..train import _section  # one reader of config sections for every job
 MODEL = {"target": "smollm2-135m-instruct", "dtype": "float32", "draft_vocab_size": 8192, "target_layers": None,
          "intermediate_size": None, "init_from": None}
 DATA = {"train": None, "eval": None, "max_len": 512, "on_error": "skip", "features": "online", "feature_dir": None,
-        "eval_batches": 4}
+        "eval_batches": 4, "pack": False}
 OBJECTIVE = {"ttt_length": 7, "step_decay": 0.8, "noise": 0.2, "v_weight": 1.0, "p_weight": 0.1}
 
 
@@ -55,22 +56,29 @@ def _draft_vocab(examples, tcfg, size: int, eos_ids, path: Path):
 
 
 class _OfflineSource:
-    """Example i padded to seq_len with its cached target features (grain map source)."""
+    """Example i padded to seq_len with its cached target features (grain map source); with a
+    packing plan, element i is row i of the plan: its examples side by side (`pack_row`)."""
 
-    def __init__(self, examples, store: FeatureStore, seq_len: int):
-        self.examples, self.store, self.seq_len = examples, store, seq_len
+    def __init__(self, examples, store: FeatureStore, seq_len: int, plan=None):
+        self.examples, self.store, self.seq_len, self.plan = examples, store, seq_len, plan
 
     def __len__(self):
-        return len(self.examples)
+        return len(self.examples) if self.plan is None else len(self.plan)
 
     def __getitem__(self, i):
-        out = pad_example(self.examples[i], self.seq_len)
-        f, h, a = self.store[i]
-        n = min(len(f), self.seq_len)
-        out["features"] = np.zeros((self.seq_len, f.shape[1]), np.float32)
-        out["hidden"] = np.zeros((self.seq_len, h.shape[1]), np.float32)
+        idx = [i] if self.plan is None else self.plan[i]
+        out = (pad_example(self.examples[i], self.seq_len) if self.plan is None
+               else pack_row([self.examples[j] for j in idx], self.seq_len))
         out["target_argmax"] = np.zeros((self.seq_len,), np.int32)
-        out["features"][:n], out["hidden"][:n], out["target_argmax"][:n] = f[:n], h[:n], a[:n]
+        at = 0
+        for j in idx:
+            f, h, a = self.store[j]
+            n = min(len(f), self.seq_len)
+            if at == 0:
+                out["features"] = np.zeros((self.seq_len, f.shape[1]), np.float32)
+                out["hidden"] = np.zeros((self.seq_len, h.shape[1]), np.float32)
+            out["features"][at:at + n], out["hidden"][at:at + n], out["target_argmax"][at:at + n] = f[:n], h[:n], a[:n]
+            at += n
         return out
 
 
@@ -78,7 +86,7 @@ def _offline_iter(source, batch_size, seed, shard_index, shard_count):
     import grain
 
     ds = grain.MapDataset.source(source)
-    if shard_count > 1:
+    if shard_count > 1:  # (a packed source is this process's rows already)
         ds = ds[shard_index::shard_count]
     ds = ds.shuffle(seed=seed).repeat(None).batch(batch_size, drop_remainder=True)
     # Feature batches are tens of MB: grain's default read-ahead (hundreds of elements) would hold
@@ -124,13 +132,20 @@ def eagle_job(config: dict):
         aux["d2t"] = head.d2t
     loss_fn = make_loss_fn(ocfg, head.cfg, tcfg)
     per_process = train.batch_size // jax.process_count()
+    shard = (jax.process_index(), jax.process_count())
+    plan = None
+    if data["pack"]:  # rows of this process's examples (indices into `examples` and the feature store)
+        mine = list(range(len(examples)))[shard[0]::shard[1]]
+        plan = [[mine[k] for k in row] for row in pack_plan([len(examples[i]["input_ids"]) for i in mine],
+                                                           train.seq_len)]
+        _log(f"packing: {len(mine)} conversations in {len(plan)} rows of {train.seq_len} tokens")
     if data["features"] == "offline":
         fdir = Path(data["feature_dir"] or out_dir / "features")
         cache_features(tparams, tcfg, head.cfg, examples, fdir, seq_len=train.seq_len)
-        source = _OfflineSource(examples, FeatureStore(fdir), train.seq_len)
-        train_iter = _offline_iter(source, per_process, train.seed, jax.process_index(), jax.process_count())
+        source = _OfflineSource(examples, FeatureStore(fdir), train.seq_len, plan)
+        train_iter = _offline_iter(source, per_process, train.seed, *((0, 1) if plan else shard))
     else:
-        train_iter = make_dataset(examples, per_process, train.seq_len, seed=train.seed)
+        train_iter = make_dataset(examples, per_process, train.seq_len, seed=train.seed, pack=data["pack"])
     eval_fn = None
     if data["eval"] and data["eval_batches"]:
         held = load_examples(data["eval"], tok, data["max_len"], on_error=data["on_error"])

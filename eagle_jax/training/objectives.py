@@ -48,10 +48,13 @@ class ObjectiveConfig:
             raise ValueError("ttt_length must be >= 1")
 
 
-def teacher(target_params, tcfg: ModelConfig, head_cfg, input_ids_bl):
-    """The frozen target's view of a batch: (features for the head [B, L, F], final-norm hidden [B, L, D])."""
+def teacher(target_params, tcfg: ModelConfig, head_cfg, input_ids_bl, segment_ids_bl=None, positions_bl=None):
+    """The frozen target's view of a batch: (features for the head [B, L, F], final-norm hidden [B, L, D]).
+    Packed rows (segment ids and per-segment positions given): each example sees only itself."""
     capture = tuple(head_cfg.target_layers) if head_cfg.kind == "eagle3" else (tcfg.num_layers,)
-    out = forward(jax.lax.stop_gradient(target_params), tcfg, input_ids_bl, capture=capture)
+    mask = None if segment_ids_bl is None else _causal_in_segment(segment_ids_bl)
+    out = forward(jax.lax.stop_gradient(target_params), tcfg, input_ids_bl, positions_bl, block_mask_btt=mask,
+                  capture=capture)
     feats = out.captured[0] if len(capture) == 1 else jnp.concatenate(out.captured, axis=-1)
     return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(out.hidden)
 
@@ -62,6 +65,25 @@ def _shift(x, n: int, fill=0):
         return x
     pad = [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2)
     return jnp.pad(x, pad, constant_values=fill)[:, n:]
+
+
+def _segments(batch):
+    """(segment ids [B, L], positions [B, L]): a packed batch's own, else one segment per row."""
+    if "segment_ids" in batch:
+        return batch["segment_ids"], batch["positions"]
+    b, l = batch["input_ids"].shape
+    return _valid(batch).astype(jnp.int32), jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
+
+
+def _causal_in_segment(seg_bl):
+    """[B, L, L]: causal visibility restricted to the query's own segment."""
+    l = seg_bl.shape[1]
+    return jnp.tril(jnp.ones((l, l), bool))[None] & (seg_bl[:, :, None] == seg_bl[:, None, :])
+
+
+def _same_segment(seg_bl, n: int):
+    """[B, L] float: index j + n lies in j's segment (so a target n ahead belongs to j's example)."""
+    return ((seg_bl == _shift(seg_bl, n, fill=-1)) & (seg_bl > 0)).astype(jnp.float32)
 
 
 def _masked_mean(x, m):
@@ -75,12 +97,13 @@ def _valid(batch):
 
 def eagle1_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_bld, rng, ocfg: ObjectiveConfig):
     ids = batch["input_ids"]
-    b, l = ids.shape
-    mask = _shift(batch["loss_mask"] * _valid(batch), 2)  # t_{j+2} is an assistant token
+    seg, pos = _segments(batch)
+    # t_{j+2} is an assistant token of j's own example
+    mask = _shift(batch["loss_mask"] * _valid(batch), 2) * _same_segment(seg, 2)
     noise = jax.random.uniform(rng, feats_bld.shape, jnp.float32, -ocfg.noise, ocfg.noise) if ocfg.noise else 0.0
-    pos = jnp.broadcast_to(jnp.arange(l)[None], (b, l))
     embed = target_params["embed_tokens"]["embedding"]
-    h, _ = head_step(head, embed, _shift(ids, 1), (feats_bld + noise).astype(feats_bld.dtype), pos)
+    h, _ = head_step(head, embed, _shift(ids, 1), (feats_bld + noise).astype(feats_bld.dtype), pos,
+                     mask_bts=_causal_in_segment(seg))
     target_f = _shift(feats_bld, 1)
     diff = jnp.abs(h.astype(jnp.float32) - target_f.astype(jnp.float32))
     vloss = _masked_mean(jnp.mean(jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5), -1), mask)
@@ -131,25 +154,28 @@ def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     in_draft = jnp.zeros((tcfg.vocab_size,), bool).at[draft_ids].set(True)
     t_p = jax.nn.softmax(_draft_logits(target_params, tcfg, hidden_bld, draft_ids), -1)  # B L Vd
     base_mask = batch["loss_mask"] * _valid(batch)
+    seg, pos0 = _segments(batch)
     cache = KVCache.create(head.cfg.layer, b, n * l)
     h = fuse_features(head, feats_blf)
-    pos0 = jnp.broadcast_to(jnp.arange(l)[None], (b, l))
+    idx = jnp.broadcast_to(jnp.arange(l)[None], (b, l))
+    # step-0 keys: only the query's own segment (a packed row's other examples stay invisible)
+    in_seg = jnp.concatenate([seg[:, :, None] == seg[:, None, :], jnp.ones((b, l, (n - 1) * l), bool)], axis=2)
     loss, metrics = 0.0, {}
     for i in range(n):
-        mask_bts = jnp.broadcast_to(ttt_mask(n, i, l)[None], (b, l, n * l))
-        slots = pos0 + i * l
+        mask_bts = ttt_mask(n, i, l)[None] & in_seg
+        slots = idx + i * l
         h, cache = head_step(head, embed, _shift(ids, 1 + i), h, pos0 + i, cache, slots, mask_bts)
         logp = jax.nn.log_softmax(head_logits(head, target_params, tcfg, h), -1)
         tgt_p = _shift(t_p, 1 + i)
         tgt_arg = _shift(t_argmax, 1 + i)
-        m = _shift(base_mask, 2 + i) * in_draft[tgt_arg]
+        m = _shift(base_mask, 2 + i) * _same_segment(seg, 2 + i) * in_draft[tgt_arg]
         ploss = _masked_mean(-jnp.sum(tgt_p * logp, -1), m)
         pred = draft_ids[jnp.argmax(logp, -1)]
         metrics[f"ploss_{i}"] = ploss
         metrics[f"acc_{i}"] = _masked_mean((pred == tgt_arg).astype(jnp.float32), m)
         loss = loss + ocfg.step_decay ** i * ploss
     metrics["loss"] = loss
-    metrics["tokens"] = jnp.sum(_shift(base_mask, 2))
+    metrics["tokens"] = jnp.sum(_shift(base_mask, 2) * _same_segment(seg, 2))
     return loss, metrics
 
 
@@ -167,7 +193,8 @@ def make_loss_fn(ocfg: ObjectiveConfig, head_cfg, tcfg: ModelConfig) -> Callable
         if "features" in batch:
             feats, hidden = batch["features"], batch.get("hidden")
         else:
-            feats, hidden = teacher(aux["target"], tcfg, head_cfg, batch["input_ids"])
+            feats, hidden = teacher(aux["target"], tcfg, head_cfg, batch["input_ids"], batch.get("segment_ids"),
+                                    batch.get("positions"))
         if ocfg.kind == "eagle1":
             return eagle1_loss(head, aux["target"], tcfg, batch, feats, rng, ocfg)
         return eagle3_loss(head, aux["target"], tcfg, batch, feats, hidden, rng, ocfg)
