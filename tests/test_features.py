@@ -5,10 +5,13 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import make_hf_model, twin
 from eagle_jax.draft import DraftConfig
 from eagle_jax.models.decoder import lm_logits
+from eagle_jax.training.data import make_dataset
+from eagle_jax.training.eagle_job import _feature_loader
 from eagle_jax.training.features import FeatureStore, cache_features
 from eagle_jax.training.objectives import teacher
 
@@ -33,3 +36,39 @@ def test_cache_read_back_and_resume(tmp_path, rng):
         np.testing.assert_allclose(f, np.asarray(feats[0]), atol=1e-5)
         np.testing.assert_allclose(h, np.asarray(hidden[0]), atol=1e-5)
         np.testing.assert_array_equal(a, np.asarray(lm_logits(params, cfg, hidden[0])).argmax(-1))
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
+def test_feature_loader_lines_up_with_tokens(tmp_path, rng, pack, shard):
+    """The offline pipeline (make_dataset + the store's loader) puts each example's cached features
+    under its own tokens: packed side by side, sharded by process, zeros on padding."""
+    cfg, params = twin(make_hf_model("llama"))
+    dc = DraftConfig.for_target("eagle3", cfg, draft_vocab_size=50, target_layers=(0, 1, 2))
+    examples = [{"input_ids": rng.integers(0, cfg.vocab_size, n), "loss_mask": np.ones(n)}
+                for n in (5, 9, 3, 12, 7, 4, 20)]
+    seq = 16
+    cache_features(params, cfg, dc, examples, tmp_path, batch_size=4, seq_len=seq, dtype="float32", progress=False)
+    store = FeatureStore(tmp_path)
+    stats = {}
+    it = make_dataset(examples, 2, seq, seed=3, num_epochs=1, shard_index=shard[0], shard_count=shard[1],
+                      drop_remainder=False, pack=pack, attach=_feature_loader(store, seq), stats=stats)
+    mine = list(range(len(examples)))[shard[0]::shard[1]]
+    assert stats["examples"] == len(mine) and (stats["rows"] < len(mine)) == pack
+    seen = []
+    for b in it:
+        assert b["features"].shape == (2, seq, 3 * cfg.hidden_size) and b["hidden"].shape == (2, seq, cfg.hidden_size)
+        for r in range(2):
+            seg = b["segment_ids"][r] if pack else (np.arange(seq) < b["lengths"][r]).astype(int)
+            for k in range(1, int(seg.max()) + 1):
+                at = np.flatnonzero(seg == k)
+                j = next(j for j in mine if len(examples[j]["input_ids"][:seq]) == len(at)
+                         and np.array_equal(examples[j]["input_ids"][:seq], b["input_ids"][r, at]))
+                f, h, a = store[j]
+                np.testing.assert_array_equal(b["features"][r, at], f[:seq])
+                np.testing.assert_array_equal(b["hidden"][r, at], h[:seq])
+                np.testing.assert_array_equal(b["target_argmax"][r, at], a[:seq])
+                seen.append(j)
+            pad = seg == 0
+            assert not b["features"][r, pad].any() and not b["hidden"][r, pad].any()
+    assert sorted(seen) == mine

@@ -25,7 +25,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -315,14 +315,14 @@ def pack_row(exs: Sequence[dict], seq_len: int, pad_id: int = 0) -> dict:
 
 
 def _stack_batch(rows: Sequence[dict], batch_size: int, seq_len: int, pad_id: int) -> dict:
-    """Stack padded examples; a short final batch is filled with empty rows (length 0, mask 0) so
-    every batch has the static shape [batch_size, seq_len]."""
+    """Stack padded rows; a short final batch is filled with empty rows (length 0, mask 0, zeros in
+    any attached arrays) so every batch has the static shape [batch_size, seq_len, ...]."""
     out = {"input_ids": np.full((batch_size, seq_len), pad_id, np.int32),
            "loss_mask": np.zeros((batch_size, seq_len), np.float32),
            "lengths": np.zeros((batch_size,), np.int32)}
-    if rows and "segment_ids" in rows[0]:
-        out["segment_ids"] = np.zeros((batch_size, seq_len), np.int32)
-        out["positions"] = np.zeros((batch_size, seq_len), np.int32)
+    for k, v in (rows[0].items() if rows else ()):
+        if k not in out:
+            out[k] = np.zeros((batch_size,) + np.shape(v), np.asarray(v).dtype)
     for i, r in enumerate(rows):
         for k in out:
             out[k][i] = r[k]
@@ -338,7 +338,8 @@ def _default_shard():
 def make_dataset(examples: Sequence[dict], batch_size: int, seq_len: int, seed: int = 0, shuffle: bool = True,
                  num_epochs: Optional[int] = None, shard_index: Optional[int] = None,
                  shard_count: Optional[int] = None, drop_remainder: bool = True, pad_id: int = 0,
-                 read_options=None, pack: bool = False):
+                 read_options=None, pack: bool = False, attach: Optional[Callable[[list, dict], dict]] = None,
+                 stats: Optional[dict] = None):
     """A grain iterator over padded batches of `examples` (dicts with input_ids / loss_mask).
 
     Pipeline: MapDataset.source → this process's shard (`ds[shard_index::shard_count]`, by default
@@ -351,6 +352,9 @@ def make_dataset(examples: Sequence[dict], batch_size: int, seq_len: int, seed: 
     fresh iterator built with the same arguments yields the same next batches).
     pack=True: the elements are rows of several examples (`pack_plan` over this process's shard,
     `pack_row`), which add "segment_ids" and "positions" [B, L] to the batch.
+    attach(indices, row) -> dict: more per-row arrays for the batch (e.g. cached target features),
+    given the row's example indices (into `examples`, in row order) and its padded/packed arrays.
+    stats: filled with {"examples": this shard's examples, "rows": elements per epoch}.
     """
     import grain
 
@@ -364,19 +368,28 @@ def make_dataset(examples: Sequence[dict], batch_size: int, seq_len: int, seed: 
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
     if len(examples) < shard_count:
         raise ValueError(f"{len(examples)} examples cannot be sharded over {shard_count} processes")
-    examples = list(examples)[shard_index::shard_count]
+    mine = list(range(len(examples)))[shard_index::shard_count]
     if pack:
-        plan = pack_plan([len(e["input_ids"]) for e in examples], seq_len)
-        ds = grain.MapDataset.source([[examples[i] for i in row] for row in plan])
+        rows = [[mine[k] for k in row] for row in pack_plan([len(examples[i]["input_ids"]) for i in mine], seq_len)]
     else:
-        ds = grain.MapDataset.source(examples)
+        rows = [[i] for i in mine]
+    if stats is not None:
+        stats.update(examples=len(mine), rows=len(rows))
+
+    def build(idx: list) -> dict:
+        row = (pack_row([examples[i] for i in idx], seq_len, pad_id) if pack
+               else pad_example(examples[idx[0]], seq_len, pad_id))
+        if attach is not None:
+            row.update(attach(idx, row))
+        return row
+
+    ds = grain.MapDataset.source(rows)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)
-    ds = ds.map((lambda exs: pack_row(exs, seq_len, pad_id)) if pack else (lambda ex: pad_example(ex, seq_len, pad_id)))
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder,
-                  batch_fn=lambda rows: _stack_batch(rows, batch_size, seq_len, pad_id))
+    ds = ds.map(build).batch(batch_size, drop_remainder=drop_remainder,
+                             batch_fn=lambda rs: _stack_batch(rs, batch_size, seq_len, pad_id))
     if read_options is None:  # grain's default (16 threads, 500 elements ahead) starves a small host
         read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
     return iter(ds.to_iter_dataset(read_options))

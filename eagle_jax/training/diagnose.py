@@ -29,9 +29,8 @@ import numpy as np
 
 from ..draft.heads import DraftHead, fuse_features, head_logits, head_step, to_target_ids
 from ..models.config import ModelConfig
-from ..models.decoder import lm_logits
 from .data import pad_example
-from .objectives import _shift, teacher
+from .objectives import _shift, target_top1, teacher
 
 BANDS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
@@ -42,11 +41,7 @@ def _batch_agreement(head: DraftHead, tparams, tcfg: ModelConfig, ids_bl, mask_b
     b, l = ids_bl.shape
     feats, hidden = teacher(tparams, tcfg, head.cfg, ids_bl)
 
-    def row(h_ld):  # full-vocabulary softmax one row at a time (a [B, L, V] block is too big)
-        p = jax.nn.softmax(lm_logits(tparams, tcfg, h_ld), -1)
-        return jnp.max(p, -1), jnp.argmax(p, -1)
-
-    p1, arg = jax.lax.map(row, hidden)
+    p1, arg = target_top1(tparams, tcfg, hidden)
     pos = jnp.broadcast_to(jnp.arange(l)[None], (b, l))
     h, _ = head_step(head, tparams["embed_tokens"]["embedding"], _shift(ids_bl, 1), fuse_features(head, feats), pos)
     pred = to_target_ids(head, jnp.argmax(head_logits(head, tparams, tcfg, h), -1))

@@ -25,7 +25,7 @@ import numpy as np
 from ..draft import DraftConfig, DraftHead, init_head, load_drafter, save_drafter
 from ..models.checkpoint import load_hf_dir
 from ..models.registry import resolve_model
-from .data import load_examples, make_dataset, pack_plan, pack_row, pad_example
+from .data import load_examples, make_dataset
 from .features import FeatureStore, cache_features
 from .objectives import ObjectiveConfig, make_loss_fn
 from .trainer import TrainConfig
@@ -55,43 +55,23 @@ def _draft_vocab(examples, tcfg, size: int, eos_ids, path: Path):
     return d2t
 
 
-class _OfflineSource:
-    """Example i padded to seq_len with its cached target features (grain map source); with a
-    packing plan, element i is row i of the plan: its examples side by side (`pack_row`)."""
+def _feature_loader(store: FeatureStore, seq_len: int):
+    """`attach` for make_dataset: a row's cached target features, laid out like its tokens (examples
+    side by side in a packed row, zeros on padding)."""
 
-    def __init__(self, examples, store: FeatureStore, seq_len: int, plan=None):
-        self.examples, self.store, self.seq_len, self.plan = examples, store, seq_len, plan
-
-    def __len__(self):
-        return len(self.examples) if self.plan is None else len(self.plan)
-
-    def __getitem__(self, i):
-        idx = [i] if self.plan is None else self.plan[i]
-        out = (pad_example(self.examples[i], self.seq_len) if self.plan is None
-               else pack_row([self.examples[j] for j in idx], self.seq_len))
-        out["target_argmax"] = np.zeros((self.seq_len,), np.int32)
+    def attach(idx: list, row: dict) -> dict:
+        out = {"features": np.zeros((seq_len, store.meta["feature_size"]), np.float32),
+               "hidden": np.zeros((seq_len, store.meta["hidden_size"]), np.float32),
+               "target_argmax": np.zeros((seq_len,), np.int32)}
         at = 0
         for j in idx:
-            f, h, a = self.store[j]
-            n = min(len(f), self.seq_len)
-            if at == 0:
-                out["features"] = np.zeros((self.seq_len, f.shape[1]), np.float32)
-                out["hidden"] = np.zeros((self.seq_len, h.shape[1]), np.float32)
+            f, h, a = store[j]
+            n = min(len(f), seq_len)
             out["features"][at:at + n], out["hidden"][at:at + n], out["target_argmax"][at:at + n] = f[:n], h[:n], a[:n]
             at += n
         return out
 
-
-def _offline_iter(source, batch_size, seed, shard_index, shard_count):
-    import grain
-
-    ds = grain.MapDataset.source(source)
-    if shard_count > 1:  # (a packed source is this process's rows already)
-        ds = ds[shard_index::shard_count]
-    ds = ds.shuffle(seed=seed).repeat(None).batch(batch_size, drop_remainder=True)
-    # Feature batches are tens of MB: grain's default read-ahead (hundreds of elements) would hold
-    # gigabytes, so read a couple of batches ahead only.
-    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)))
+    return attach
 
 
 def eagle_job(config: dict):
@@ -132,20 +112,20 @@ def eagle_job(config: dict):
         aux["d2t"] = head.d2t
     loss_fn = make_loss_fn(ocfg, head.cfg, tcfg)
     per_process = train.batch_size // jax.process_count()
-    shard = (jax.process_index(), jax.process_count())
-    plan = None
-    if data["pack"]:  # rows of this process's examples (indices into `examples` and the feature store)
-        mine = list(range(len(examples)))[shard[0]::shard[1]]
-        plan = [[mine[k] for k in row] for row in pack_plan([len(examples[i]["input_ids"]) for i in mine],
-                                                           train.seq_len)]
-        _log(f"packing: {len(mine)} conversations in {len(plan)} rows of {train.seq_len} tokens")
+    attach, read_options = None, None
     if data["features"] == "offline":
+        import grain
+
         fdir = Path(data["feature_dir"] or out_dir / "features")
         cache_features(tparams, tcfg, head.cfg, examples, fdir, seq_len=train.seq_len)
-        source = _OfflineSource(examples, FeatureStore(fdir), train.seq_len, plan)
-        train_iter = _offline_iter(source, per_process, train.seed, *((0, 1) if plan else shard))
-    else:
-        train_iter = make_dataset(examples, per_process, train.seq_len, seed=train.seed, pack=data["pack"])
+        attach = _feature_loader(FeatureStore(fdir), train.seq_len)
+        # Feature batches are tens of MB: read a couple of batches ahead only.
+        read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)
+    ds_stats: dict = {}
+    train_iter = make_dataset(examples, per_process, train.seq_len, seed=train.seed, pack=data["pack"],
+                              attach=attach, read_options=read_options, stats=ds_stats)
+    if data["pack"]:
+        _log(f"packing: {ds_stats['examples']} conversations in {ds_stats['rows']} rows of {train.seq_len} tokens")
     eval_fn = None
     if data["eval"] and data["eval_batches"]:
         held = load_examples(data["eval"], tok, data["max_len"], on_error=data["on_error"])

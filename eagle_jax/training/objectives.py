@@ -127,9 +127,20 @@ def ttt_mask(length: int, step: int, l: int):
     return jnp.concatenate(blocks, axis=1)
 
 
+def target_top1(target_params, tcfg: ModelConfig, hidden_bld):
+    """(the target's top-1 probability, its greedy token) at every position: the full-vocabulary LM
+    head one row at a time (a [B, L, V] block of logits would be too big)."""
+
+    def row(h_ld):
+        logits = lm_logits(target_params, tcfg, h_ld).astype(jnp.float32)
+        return jnp.exp(jnp.max(logits, -1) - jax.nn.logsumexp(logits, -1)), jnp.argmax(logits, -1)
+
+    return jax.lax.map(row, hidden_bld)
+
+
 def target_argmax(target_params, tcfg: ModelConfig, hidden_bld):
-    """The target's greedy token at every position (full-vocabulary LM head, one row at a time)."""
-    return jax.lax.map(lambda h: jnp.argmax(lm_logits(target_params, tcfg, h), -1), hidden_bld)
+    """The target's greedy token at every position."""
+    return target_top1(target_params, tcfg, hidden_bld)[1]
 
 
 def _draft_logits(target_params, tcfg: ModelConfig, hidden_bld, draft_ids):
