@@ -56,3 +56,43 @@ def test_train_export_and_decode(tiny_hf_dir, tmp_path, rng, kind, features, pac
     engine.add_method(method, head)
     prompt = engine.encode("w7 w8 w9")
     assert engine.generate_ids(prompt, 16, method=method).tokens == engine.generate_ids(prompt, 16).tokens
+
+
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_warm_start_keeps_or_rebuilds_draft_vocab(tiny_hf_dir, tmp_path, rng, rebuild):
+    """`init_from` keeps the head's draft vocabulary; with `rebuild_vocab` the run's data builds a
+    new one (of draft_vocab_size) and the trained LM-head columns of shared tokens carry over."""
+    import jax
+
+    from eagle_jax.draft import DraftConfig, init_head, save_drafter
+    from eagle_jax.training.eagle_job import eagle_job
+
+    engine = Engine(str(tiny_hf_dir), progress=False)
+    old_ids = np.sort(rng.choice(np.arange(engine.cfg.vocab_size), 48, replace=False))
+    old = init_head(DraftConfig.for_target("eagle3", engine.cfg, draft_vocab_size=48), jax.random.PRNGKey(1),
+                    d2t=old_ids - np.arange(48))
+    save_drafter(tmp_path / "old", old, engine.cfg, dtype="float32")
+    data = tmp_path / "train.jsonl"
+    _conversations(data, rng)
+    cfg = {"job": "eagle3",
+           "model": {"target": str(tiny_hf_dir), "draft_vocab_size": 40, "init_from": str(tmp_path / "old"),
+                     "rebuild_vocab": rebuild},
+           "data": {"train": str(data), "max_len": 40},
+           "train": {"batch_size": 4, "seq_len": 40, "output_dir": str(tmp_path / "run")}}
+    params, aux, *_ = eagle_job(cfg)
+    built = np.load(tmp_path / "run" / "draft_vocab.npz")["d2t"]
+    old_w = np.asarray(old.params["lm_head"]["kernel"])
+    if not rebuild:
+        np.testing.assert_array_equal(np.asarray(aux["d2t"]), np.asarray(old.d2t))
+        np.testing.assert_array_equal(np.asarray(params["lm_head"]["kernel"]), old_w)
+        return
+    np.testing.assert_array_equal(np.asarray(aux["d2t"]), built)
+    new_ids = np.arange(40) + built
+    w = np.asarray(params["lm_head"]["kernel"])
+    assert w.shape == (engine.cfg.hidden_size, 40)
+    shared = np.flatnonzero(np.isin(new_ids, old_ids))
+    assert 0 < len(shared) < 40
+    for j in shared:
+        np.testing.assert_array_equal(w[:, j], old_w[:, int(np.flatnonzero(old_ids == new_ids[j])[0])])
+    assert np.all(np.linalg.norm(w, axis=0) > 0)
+    np.testing.assert_array_equal(np.asarray(params["fc"]["kernel"]), np.asarray(old.params["fc"]["kernel"]))

@@ -442,3 +442,21 @@ def test_resume_files_and_splits(tmp_path):
                       "eval": {"s": {"conversations": 1, "reply_tokens": 3, "stop": 1}}}
     convs = D.load_conversations(tmp_path / "train.jsonl", on_error="raise")
     assert [c["id"] for c in convs] == ["a", "c"] and convs[0]["messages"][1] == {"role": "assistant", "content": "a"}
+
+
+def test_remap_draft_vocab_keeps_shared_columns_and_fits_new_ones(rng):
+    v, d = 60, 8
+    emb = rng.normal(size=(v, d)).astype(np.float32)
+    a_true = rng.normal(size=(d, d)).astype(np.float32)
+    old_ids = np.arange(0, 40)
+    new_ids = np.arange(10, 55)
+    lm = (emb[old_ids] @ a_true).T  # trained columns that are exactly linear in the embeddings
+    out, st = V.remap_draft_vocab(lm, old_ids - np.arange(40), new_ids - np.arange(45), emb, ridge=1e-9)
+    assert out.shape == (d, 45) and st == {"kept": 30, "new": 15, "dropped": 10}
+    np.testing.assert_array_equal(out[:, :30], lm[:, 10:40])  # shared tokens: exact copies
+    np.testing.assert_allclose(out[:, 30:], (emb[40:55] @ a_true).T, rtol=1e-3, atol=1e-3)
+    same, st = V.remap_draft_vocab(lm, old_ids - np.arange(40), old_ids - np.arange(40), emb)
+    np.testing.assert_array_equal(same, lm)
+    assert st["new"] == 0
+    with pytest.raises(ValueError, match="columns"):
+        V.remap_draft_vocab(lm[:, :5], old_ids - np.arange(40), new_ids - np.arange(45), emb)

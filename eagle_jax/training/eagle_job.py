@@ -2,7 +2,9 @@
 
 Config sections (defaults in MODEL / DATA / OBJECTIVE below):
   model:     the target (alias, HF dir or GGUF), dtype, EAGLE-3 draft vocabulary size and fused layers,
-             optional warm start from a drafter directory
+             optional warm start from a drafter directory (`init_from`; EAGLE-3 keeps that head's
+             draft vocabulary unless `rebuild_vocab`: then this run's data builds it and the head's
+             LM head is carried over, see `vocab.remap_draft_vocab`)
   data:      train/eval JSONL conversations (ShareGPT or messages layout), max_len, how to treat bad
              lines, target features "online" (the frozen target runs inside the step) or "offline"
              (cached once under feature_dir, then streamed), `pack` (several conversations per row,
@@ -16,6 +18,7 @@ saved next to the run (`draft_vocab.npz`), so a resumed run keeps the same vocab
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,11 +32,12 @@ from .data import load_examples, make_dataset
 from .features import FeatureStore, cache_features
 from .objectives import ObjectiveConfig, make_loss_fn
 from .trainer import TrainConfig
-from .vocab import build_draft_vocab, count_tokens
+from .vocab import build_draft_vocab, count_tokens, remap_draft_vocab
 from ..train import _section  # one reader of config sections for every job
 
 MODEL = {"target": "smollm2-135m-instruct", "dtype": "float32", "draft_vocab_size": 8192, "target_layers": None,
-         "intermediate_size": None, "init_from": None}
+         "intermediate_size": None, "init_from": None,
+         "rebuild_vocab": False}
 DATA = {"train": None, "eval": None, "max_len": 512, "on_error": "skip", "features": "online", "feature_dir": None,
         "eval_batches": 4, "pack": False}
 OBJECTIVE = {"ttt_length": 7, "step_decay": 0.8, "noise": 0.2, "v_weight": 1.0, "p_weight": 0.1}
@@ -53,6 +57,16 @@ def _draft_vocab(examples, tcfg, size: int, eos_ids, path: Path):
     covered = counts[np.arange(size) + d2t].sum() / max(counts.sum(), 1)
     _log(f"draft vocabulary: {size} tokens cover {covered:.1%} of the assistant tokens")
     return d2t
+
+
+def _with_vocab(head: DraftHead, d2t, tparams) -> DraftHead:
+    """A warm-start EAGLE-3 head moved onto this run's draft vocabulary (`model.rebuild_vocab`)."""
+    lm, st = remap_draft_vocab(np.asarray(head.params["lm_head"]["kernel"]), np.asarray(head.d2t), d2t,
+                               np.asarray(tparams["embed_tokens"]["embedding"]))
+    _log(f"draft vocabulary rebuilt: {st['kept']} tokens kept, {st['new']} new, {st['dropped']} dropped")
+    params = dict(head.params, lm_head={"kernel": jax.numpy.asarray(lm, head.params["lm_head"]["kernel"].dtype)})
+    cfg = dataclasses.replace(head.cfg, draft_vocab_size=len(d2t))
+    return DraftHead(params, jax.numpy.asarray(d2t, jax.numpy.int32), cfg)
 
 
 def _feature_loader(store: FeatureStore, seq_len: int):
@@ -101,6 +115,8 @@ def eagle_job(config: dict):
         head = load_drafter(model["init_from"], tcfg)
         if head.cfg.kind != kind:
             raise ValueError(f"init_from holds an {head.cfg.kind} head, not {kind}")
+        if kind == "eagle3" and model["rebuild_vocab"]:
+            head = _with_vocab(head, d2t, tparams)
         d2t = head.d2t if kind == "eagle3" else None
     else:
         hcfg = DraftConfig.for_target(kind, tcfg, draft_vocab_size=model["draft_vocab_size"],

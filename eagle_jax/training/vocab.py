@@ -83,3 +83,32 @@ def vocab_coverage(token_counts: np.ndarray, t2d: np.ndarray) -> float:
     """Fraction of the counted tokens that the draft vocabulary covers."""
     total = float(np.sum(token_counts))
     return float(np.sum(token_counts[np.asarray(t2d, bool)])) / total if total else 0.0
+
+
+def remap_draft_vocab(lm_head_dv: np.ndarray, old_d2t: np.ndarray, new_d2t: np.ndarray, embed_vd: np.ndarray,
+                      ridge: float = 1e-2) -> tuple[np.ndarray, dict]:
+    """A trained EAGLE-3 LM head [D, Vd_old] carried over to another draft vocabulary → [D, Vd_new].
+
+    Tokens in both vocabularies keep their trained column exactly. A token new to the draft
+    vocabulary starts from its target embedding mapped into the head's space by the ridge
+    least-squares fit `embed @ A ≈ lm_head.T` over the shared tokens (its direction and scale then
+    resemble the trained columns, instead of zero or noise). Returns (lm_head [D, Vd_new], stats).
+    """
+    old_ids = draft_to_target_ids(old_d2t)
+    new_ids = draft_to_target_ids(new_d2t)
+    w_vd = np.asarray(lm_head_dv, np.float32).T  # Vd_old D
+    emb = np.asarray(embed_vd, np.float32)
+    if w_vd.shape[0] != len(old_ids):
+        raise ValueError(f"lm_head has {w_vd.shape[0]} columns but the old draft vocabulary {len(old_ids)} tokens")
+    col = {int(t): i for i, t in enumerate(old_ids)}
+    kept = np.array([int(t) in col for t in new_ids], bool)
+    out = np.zeros((len(new_ids), w_vd.shape[1]), np.float32)
+    out[kept] = w_vd[[col[int(t)] for t in new_ids[kept]]]
+    if (~kept).any():
+        shared = old_ids[np.isin(old_ids, new_ids)] if kept.any() else old_ids
+        x, y = emb[shared], w_vd[[col[int(t)] for t in shared]]
+        xtx = x.T @ x
+        lam = ridge * np.trace(xtx) / xtx.shape[0]  # relative to the embeddings' own scale
+        a = np.linalg.solve(xtx + lam * np.eye(xtx.shape[0], dtype=np.float32), x.T @ y)
+        out[~kept] = emb[new_ids[~kept]] @ a
+    return out.T, {"kept": int(kept.sum()), "new": int((~kept).sum()), "dropped": int(len(old_ids) - kept.sum())}
