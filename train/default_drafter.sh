@@ -2,10 +2,10 @@
 # The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in five stages — stage 1 and 2 on runs/sd, stage 3 on
-#      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stage 4 and 5 on
-#      runs/sd3 (extended again) — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3,
-#      online for EAGLE-1);
+#   2. train the EAGLE-3 head (the default) in six stages — stage 1 and 2 on runs/sd, stage 3 on
+#      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–6 on
+#      runs/sd3 (extended again; stage 6 packs several conversations per row) — and an EAGLE-1
+#      head on runs/sd (offline features for EAGLE-3, online for EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -24,9 +24,11 @@ python -m eagle_jax.training.selfdistill --out runs/sd3 --max-new-tokens 256 --b
   --sources humaneval,evals,self-instruct --evals-per-subset 30 --self-instruct-n 1500
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage4.json "$@"
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage5.json "$@"
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage6.json "$@"
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage7.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage5/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage7/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
