@@ -2,10 +2,11 @@
 # The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in six stages — stage 1 and 2 on runs/sd, stage 3 on
-#      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–6 on
-#      runs/sd3 (extended again; stage 6 packs several conversations per row) — and an EAGLE-1
-#      head on runs/sd (offline features for EAGLE-3, online for EAGLE-1);
+#   2. train the EAGLE-3 head (the default) in seven stages — stage 1 and 2 on runs/sd, stage 3 on
+#      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
+#      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
+#      rebuilds the draft vocabulary at 8192 tokens) — and an EAGLE-1 head on runs/sd (offline
+#      features for EAGLE-3, online for EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
