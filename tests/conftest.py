@@ -7,6 +7,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,22 @@ def twin(model, **overrides):
     cfg = ModelConfig.from_hf_config(model.config.to_diff_dict(), **overrides)
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return cfg, params_from_hf_state_dict(cfg, sd)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program when a test file ends.
+
+    XLA:CPU maps each compiled program's code into the process (several memory maps a program; an
+    unrolled SmolLM2 step has hundreds), and jit caches keep them all alive. Over the whole suite
+    that passed Linux's default 65530 maps per process (vm.max_map_count), and the next compile
+    segfaulted inside XLA. Clearing at every file boundary keeps the count to one file's programs.
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
