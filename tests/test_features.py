@@ -38,6 +38,33 @@ def test_cache_read_back_and_resume(tmp_path, rng):
         np.testing.assert_array_equal(a, np.asarray(lm_logits(params, cfg, hidden[0])).argmax(-1))
 
 
+def test_resume_refuses_another_data_set(tmp_path, rng):
+    """A store is only extended by a list that starts with its examples: other tokens (by digest) or,
+    for a store written before digests, other lengths are named instead of silently misaligned."""
+    cfg, params = twin(make_hf_model("llama"))
+    dc = DraftConfig.for_target("eagle3", cfg, draft_vocab_size=50, target_layers=(0, 1, 2))
+    examples = [{"input_ids": rng.integers(0, cfg.vocab_size, n)} for n in (5, 9, 3)]
+    kw = dict(batch_size=2, seq_len=16, dtype="float32", progress=False)
+    cache_features(params, cfg, dc, examples, tmp_path, **kw)
+    other = [dict(e) for e in examples]
+    other[1] = {"input_ids": (examples[1]["input_ids"] + 1) % cfg.vocab_size}  # same length, other tokens
+    with pytest.raises(ValueError, match="cached example 1 does not match"):
+        cache_features(params, cfg, dc, other + examples, tmp_path, **kw)
+    with pytest.raises(ValueError, match="more than the 2 given"):
+        cache_features(params, cfg, dc, examples[:2], tmp_path, **kw)
+    meta = json.loads((tmp_path / "index.json").read_text())
+    del meta["digests"]  # a store from before digests: lengths are what can be checked
+    (tmp_path / "index.json").write_text(json.dumps(meta))
+    cache_features(params, cfg, dc, other, tmp_path, **kw)  # same lengths: accepted
+    shorter = [examples[0], {"input_ids": examples[1]["input_ids"][:4]}, examples[2]]
+    with pytest.raises(ValueError, match="cached example 1 does not match.*9 cached tokens, 4 given"):
+        cache_features(params, cfg, dc, shorter, tmp_path, **kw)
+    cache_features(params, cfg, dc, examples + examples[:1], tmp_path, **kw)  # extended at its end
+    store = FeatureStore(tmp_path)
+    assert len(store) == 4 and store.meta["digests"] is None
+    np.testing.assert_array_equal(store[3][2], store[0][2])
+
+
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
 def test_feature_loader_lines_up_with_tokens(tmp_path, rng, pack, shard):

@@ -2,17 +2,23 @@
 needs on disk, and stream it back during training (no target forward in the training step).
 
 Layout of a store directory:
-  index.json            {"num_examples", "feature_size", "hidden_size", "dtype", "offsets", "lengths", ...}
+  index.json            {"num_examples", "feature_size", "hidden_size", "dtype", "offsets", "lengths",
+                        "digests", ...} — digests: a short hash of each example's stored tokens
   features.bin          [total_tokens, F] memmap (EAGLE-3: the fused target layers; EAGLE-1: final norm)
   hidden.bin            [total_tokens, D] memmap (final-norm output: the target's logits are its LM head
                         of this, so soft labels need no [V]-wide storage)
   argmax.bin            [total_tokens] int32 memmap: the target's greedy token at each position (lets
                         the EAGLE-3 loss skip the full-vocabulary LM head)
-Examples are appended in order; an interrupted caching run resumes after the last finished batch.
+Examples are appended in order; an interrupted caching run resumes after the last finished batch,
+and a run over a longer list that starts with the cached examples (a data set extended at its end)
+computes only the new ones. Resuming checks that the cached examples are the list's first ones
+(same tokens, by digest; same lengths for stores written before digests) and names the first one
+that is not, rather than pairing features with the wrong tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -51,6 +57,26 @@ class FeatureStore:
                 np.asarray(self.argmax[a:a + n], np.int32))
 
 
+def example_digest(ids) -> str:
+    """A short hash of the tokens an example's features were computed from."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, np.int32).tobytes(), digest_size=8).hexdigest()
+
+
+def _check_prefix(meta: dict, examples: Sequence[dict], seq_len: int, out: Path) -> None:
+    done = meta["num_examples"]
+    if done > len(examples):
+        raise ValueError(f"{out} holds features of {done} examples, more than the {len(examples)} given: "
+                         f"it was written for another data set")
+    digests = meta.get("digests")
+    for i in range(done):
+        ids = np.asarray(examples[i]["input_ids"])[:seq_len]
+        if len(ids) != meta["lengths"][i] or (digests is not None and example_digest(ids) != digests[i]):
+            raise ValueError(f"{out} was written for another data set: cached example {i} does not match "
+                             f"example {i} of this one ({meta['lengths'][i]} cached tokens, {len(ids)} given"
+                             f"{'' if len(ids) != meta['lengths'][i] else ', different tokens'}); "
+                             f"use a new feature_dir")
+
+
 def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequence[dict], out_dir, *,
                    batch_size: int = 8, seq_len: int = 512, dtype: str = "float16", progress: bool = True) -> Path:
     """Compute and store the teacher features of `examples` (dicts with "input_ids") in order."""
@@ -61,12 +87,16 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
     index = out / "index.json"
     capture = tuple(head_cfg.target_layers) if head_cfg.kind == "eagle3" else (tcfg.num_layers,)
     meta = {"num_examples": 0, "feature_size": tcfg.hidden_size * len(capture), "hidden_size": tcfg.hidden_size,
-            "dtype": dtype, "offsets": [], "lengths": [], "capture": list(capture), "kind": head_cfg.kind}
+            "dtype": dtype, "offsets": [], "lengths": [], "digests": [], "capture": list(capture),
+            "kind": head_cfg.kind}
     if index.exists():
         old = json.loads(index.read_text())
         if old["capture"] != meta["capture"] or old["dtype"] != dtype:
             raise ValueError(f"{out} holds features of another configuration ({old['capture']}, {old['dtype']})")
         meta = old
+        _check_prefix(meta, examples, seq_len, out)
+        if "digests" not in meta:  # written before digests: the new examples get theirs from here on
+            meta["digests"] = None
     done = meta["num_examples"]
     def fn_(ids):
         feats, hidden = teacher(target_params, tcfg, head_cfg, ids)
@@ -98,6 +128,8 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
                 fa.write(np.ascontiguousarray(amax[r, :n], np.int32).tobytes())
                 meta["offsets"].append(int(total))
                 meta["lengths"].append(int(n))
+                if meta["digests"] is not None:
+                    meta["digests"].append(example_digest(ids[r, :n]))
                 total += n
             ff.flush()
             fh.flush()
