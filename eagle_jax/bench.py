@@ -222,6 +222,9 @@ def build_parser():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="target attention for the eagle_jax methods (pallas: the tree-attention kernel)")
+    p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
+                   help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
+                        "or auto (unroll on CPU, scan elsewhere); the same numbers either way")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--drafter", default="default",
                    help="draft head for eagle methods: default, PATH, random or oracle (eagle1/eagle2 use an "
@@ -266,7 +269,7 @@ def main(argv=None) -> int:
     from .engine import Engine
 
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
-    engine = Engine(args.model, dtype=args.dtype, attention=args.attention)
+    engine = Engine(args.model, dtype=args.dtype, attention=args.attention, layers=args.layers)
     for m in methods:
         if m in SPEC_METHODS:
             spec = args.drafter
@@ -289,7 +292,7 @@ def main(argv=None) -> int:
               "machine": machine_info(),
               "settings": {"prompts": args.prompts, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
-                           "attention": args.attention, "drafter": args.drafter,
+                           "attention": args.attention, "layers": engine.layers, "drafter": args.drafter,
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     if tuned:
         result["autotune"] = tuned

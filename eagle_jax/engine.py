@@ -19,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .compile_cache import enable_compile_cache
 from .decoding import cache_length_for, generate_tokens, pack_prompts
 from .draft.config import DraftConfig
 from .draft.drafting import TreeBudget
 from .draft.heads import DraftHead, init_head, oracle_head
 from .models.checkpoint import load_hf_dir
+from .models.decoder import unstack_layers
 from .models.registry import resolve_model
 from .sampling import SamplingParams, validate_sampling
 from .speculative import speculative_generate
@@ -82,18 +84,31 @@ class Engine:
       dtype: parameter/activation dtype ("float32" is fastest on CPU).
       max_cache_len: the largest cache (prompt + new tokens) a request may use.
       cache_bucket: cache lengths are rounded up to a multiple of this (one compile per bucket).
+      compile_cache: keep compiled programs on disk for later processes (`compile_cache.py`:
+        `~/.cache/eagle_jax/xla` unless JAX already has a cache directory); False opts out.
+      layers: "unroll" (a compiled program per layer, each reading its own weights: the fastest on
+        CPU), "scan" (the stacked checkpoint layout in one scanned layer: faster compiles, the
+        layout sharded training uses) or "auto" (unroll on CPU, scan elsewhere). Same numbers.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", attention: str = "reference",
                  max_cache_len: Optional[int] = None, cache_bucket: int = 128, prefill_chunk: int = 64,
                  method: str = "vanilla", drafter: Optional[str] = None, budget: Optional[TreeBudget] = None,
-                 progress: bool = True):
+                 progress: bool = True, layers: str = "auto", compile_cache: bool = True):
         from transformers import AutoTokenizer
 
+        if layers not in ("auto", "unroll", "scan"):
+            raise ValueError(f"layers must be auto, unroll or scan, not {layers!r}")
+
+        if compile_cache:
+            enable_compile_cache()
         self.model_spec = model
         self.path = Path(resolve_model(model, progress=progress))
         t0 = time.perf_counter()
         self.cfg, self.params = load_hf_dir(self.path, dtype=dtype, attention_impl=attention)
+        if layers == "unroll" or (layers == "auto" and jax.default_backend() == "cpu"):
+            self.params = unstack_layers(self.params)
+        self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         if progress:
             print(f"[eagle_jax] loaded {self.path.name} ({self.cfg.family}, {self.cfg.num_layers} layers, "

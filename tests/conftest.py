@@ -7,7 +7,17 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit
 import gc
+import shutil
+import tempfile
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # One persistent compilation cache for this test run (and the CLIs it starts), never the
+    # user's: programs cleared at a file's end (below) reload from it instead of recompiling.
+    _xla_cache = tempfile.mkdtemp(prefix="eagle_jax_test_xla_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 
 import numpy as np
 import pytest

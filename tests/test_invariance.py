@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import make_hf_model, twin
-from eagle_jax.models.decoder import KVCache, forward, lm_logits
+from eagle_jax.models.decoder import KVCache, forward, lm_logits, stack_layers, unstack_layers
 
 TOL = 1e-5
 
@@ -108,3 +108,28 @@ def test_padding_slots_never_leak(rng):
     a, _ = _logits(params, cfg, nxt, cache=clean)
     b, _ = _logits(params, cfg, nxt, cache=junk)
     np.testing.assert_allclose(a, b, atol=0)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+def test_unrolled_layers_equal_the_scan(cached, rng):
+    """`unstack_layers` (one program per layer, the CPU inference layout) computes what the scan
+    over stacked layers computes: logits, captured features and the cache it writes."""
+    cfg, params = twin(make_hf_model("qwen3"))
+    unrolled = unstack_layers(params)
+    assert isinstance(unrolled["layers"], list) and len(unrolled["layers"]) == cfg.num_layers
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 11)))
+    kw = dict(capture=(0, 1, cfg.num_layers - 1, cfg.num_layers))
+    if cached:  # a committed prefix, then a block
+        cache = forward(params, cfg, ids[:, :5], cache=KVCache.create(cfg, 2, 16)).cache.advance(jnp.full((2,), 5))
+        kw["cache"], ids = cache, ids[:, 5:]
+    ref, ref_out = _logits(params, cfg, ids, **kw)
+    got, got_out = _logits(unrolled, cfg, ids, **kw)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    for a, b in zip(got_out.captured, ref_out.captured):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=0)
+    if cached:
+        np.testing.assert_allclose(np.asarray(got_out.cache.k), np.asarray(ref_out.cache.k), atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(got_out.cache.v), np.asarray(ref_out.cache.v), atol=TOL, rtol=0)
+    back = stack_layers(unrolled)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))

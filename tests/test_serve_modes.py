@@ -147,3 +147,19 @@ def test_smollm2_server_answers_like_the_cli():
     assert resp["choices"][0]["message"]["content"] == cli["text"]
     assert resp["usage"]["completion_tokens"] == cli["new_tokens"]
     assert resp["eagle_jax"]["method"] == "eagle3" and resp["eagle_jax"]["tau"] > 1.0
+
+
+def test_engine_layer_layouts_decode_the_same(tiny_hf_dir):
+    """`layers="unroll"` (the CPU default) and `layers="scan"` are two programs for one model."""
+    scan = Engine(str(tiny_hf_dir), progress=False, layers="scan")
+    unroll = Engine(str(tiny_hf_dir), progress=False, layers="unroll")
+    assert (scan.layers, unroll.layers) == ("scan", "unroll")
+    assert Engine(str(tiny_hf_dir), progress=False).layers == "unroll"  # auto, on this CPU backend
+    for e in (scan, unroll):
+        e.add_method("eagle3", "random")
+    for p in ("w5 w6", "w9 w3 w3"):
+        ref = scan.generate(p, 24)
+        assert unroll.generate(p, 24).tokens == ref.tokens
+        assert unroll.generate(p, 24, method="eagle3").tokens == ref.tokens
+    with pytest.raises(ValueError, match="layers must be"):
+        Engine(str(tiny_hf_dir), progress=False, layers="loop")

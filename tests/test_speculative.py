@@ -62,6 +62,22 @@ def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, r
         assert all((a[a > 0][:-1] == budget.max_depth + 1).all() for a in acc)
 
 
+@pytest.mark.parametrize("head_name", ["oracle", "eagle3-random"])
+def test_greedy_speculative_with_unrolled_target_layers(tiny_llama, head_name, rng):
+    """The engine's CPU layout (target layers unrolled) decodes the scan's greedy tokens."""
+    from eagle_jax.models.decoder import unstack_layers
+
+    _, cfg, params = tiny_llama
+    unrolled = unstack_layers(params)
+    head = _heads(cfg, unrolled)[head_name]
+    prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (6, 21)]
+    ref, lens = _run(generate_tokens, params, cfg, prompts, 30)
+    plain, _ = _run(generate_tokens, unrolled, cfg, prompts, 30)
+    out, _ = _run(speculative_generate, unrolled, cfg, prompts, 30, head=head, budget=DYNAMIC)
+    assert _rows(plain, lens) == _rows(ref, lens)
+    assert _rows(out, lens) == _rows(ref, lens)
+
+
 def test_eos_inside_an_accepted_run_stops_there(tiny_llama):
     _, cfg, params = tiny_llama
     prompts = [[5, 6, 7, 8], [9, 10, 11]]

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="target attention: the jnp reference or the Pallas tree-attention kernel (Mosaic on TPU, "
                         "Triton on GPU, Pallas' interpreter elsewhere)")
+    p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
+                   help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
+                        "or auto (unroll on CPU, scan elsewhere); the same numbers either way")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter/activation dtype (float32 is fastest on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
 
         cache = args.max_cache_len or (SERVING_CACHE_LEN if args.chat else None)
         engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=cache,
-                        method=method, drafter=args.drafter, budget=budget)
+                        layers=args.layers, method=method, drafter=args.drafter, budget=budget)
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         return _fail(str(e))
     if tune_path is not None:
@@ -189,7 +192,7 @@ def _serve(args, method: str, budget, tune_path=None) -> int:
             raise ValueError("--max-active, --max-waiting, --steps-per-turn and --default-max-tokens must be "
                              "at least 1")
         opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, tune_path=tune_path,
-                            dtype=args.dtype,
+                            dtype=args.dtype, layers=args.layers,
                             attention=args.attention, max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
                             cache_buckets=buckets,
                             max_active=args.max_active, max_waiting=args.max_waiting,

@@ -50,6 +50,7 @@ class ServeOptions:
     tune_path: Optional[Path] = None  # autotune the tree budget at start-up and save it here
     dtype: str = "float32"
     attention: str = "reference"
+    layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
     max_cache_len: int = SERVING_CACHE_LEN
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len
     max_active: int = 8
@@ -109,7 +110,8 @@ class ServerState:
                 method = pick_method(o.model, o.method, o.drafter)
                 self._say(f"loading {o.model} (method {method}) ...")
                 self.engine = Engine(o.model, dtype=o.dtype, attention=o.attention, max_cache_len=o.max_cache_len,
-                                     method=method, drafter=o.drafter, budget=o.budget, progress=self.progress)
+                                     layers=o.layers, method=method, drafter=o.drafter, budget=o.budget,
+                                     progress=self.progress)
                 self.model_name = o.served_model_name or self.engine.name
                 if o.tune_path is not None and self.engine.method in ("eagle2", "eagle3"):
                     from ..autotune import tune_and_save

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..draft import DraftConfig, DraftHead, init_head, load_drafter, save_drafter
 from ..models.checkpoint import load_hf_dir
+from ..models.decoder import unstack_layers
 from ..models.registry import resolve_model
 from .data import load_examples, make_dataset
 from .features import FeatureStore, cache_features
@@ -133,7 +134,9 @@ def eagle_job(config: dict):
         import grain
 
         fdir = Path(data["feature_dir"] or out_dir / "features")
-        cache_features(tparams, tcfg, head.cfg, examples, fdir, seq_len=train.seq_len)
+        # One program per target layer is ≈ 1.3× faster on CPU (decoder.unstack_layers); same numbers.
+        feat_params = unstack_layers(tparams) if jax.default_backend() == "cpu" else tparams
+        cache_features(feat_params, tcfg, head.cfg, examples, fdir, seq_len=train.seq_len)
         attach = _feature_loader(FeatureStore(fdir), train.seq_len)
         # Feature batches are tens of MB: read a couple of batches ahead only.
         read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)
