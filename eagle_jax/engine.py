@@ -25,7 +25,7 @@ from .draft.config import DraftConfig
 from .draft.drafting import TreeBudget
 from .draft.heads import DraftHead, init_head, oracle_head
 from .models.checkpoint import load_hf_dir
-from .models.decoder import unstack_layers
+from .models.decoder import check_layer_layout, with_layer_layout
 from .models.registry import resolve_model
 from .sampling import SamplingParams, validate_sampling
 from .speculative import speculative_generate
@@ -97,8 +97,7 @@ class Engine:
                  progress: bool = True, layers: str = "auto", compile_cache: bool = True):
         from transformers import AutoTokenizer
 
-        if layers not in ("auto", "unroll", "scan"):
-            raise ValueError(f"layers must be auto, unroll or scan, not {layers!r}")
+        check_layer_layout(layers)  # before any loading
 
         if compile_cache:
             enable_compile_cache()
@@ -106,8 +105,7 @@ class Engine:
         self.path = Path(resolve_model(model, progress=progress))
         t0 = time.perf_counter()
         self.cfg, self.params = load_hf_dir(self.path, dtype=dtype, attention_impl=attention)
-        if layers == "unroll" or (layers == "auto" and jax.default_backend() == "cpu"):
-            self.params = unstack_layers(self.params)
+        self.params = with_layer_layout(self.params, layers)
         self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         if progress:

@@ -183,6 +183,20 @@ def unstack_layers(params):
     return out
 
 
+def check_layer_layout(layers: str) -> str:
+    if layers not in ("auto", "unroll", "scan"):
+        raise ValueError(f"layers must be auto, unroll or scan, not {layers!r}")
+    return layers
+
+
+def with_layer_layout(params, layers: str = "auto"):
+    """`params` in the layout `layers` names: "unroll" (`unstack_layers`), "scan" (`stack_layers`)
+    or "auto" (unrolled on the CPU backend, where it decodes fastest; scanned elsewhere)."""
+    if check_layer_layout(layers) == "unroll" or layers == "unroll" or (layers == "auto" and jax.default_backend() == "cpu"):
+        return unstack_layers(params)
+    return stack_layers(params)
+
+
 def stack_layers(params):
     """Inverse of `unstack_layers`: `layers` stacked along a leading axis."""
     layers = params["layers"]
