@@ -22,7 +22,8 @@ prompt-lookup decoding). The eagle methods take their heads from `--drafter`.
 
 `--total-tokens auto` first tunes the dynamic tree size of eagle2/eagle3 on this device
 (autotune.py), saves it where `python -m eagle_jax.serve --total-tokens auto` finds it, and
-benchmarks with it.
+benchmarks with it. Without tree flags each method runs the tree serve would run: a budget tuned
+on this device before, else the one packaged for this platform, else the default tree.
 
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
 against the reference path; see eagle_jax/kernels/bench.py).
@@ -38,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from .autotune import DEFAULT_CANDIDATES
+from .autotune import DEFAULT_CANDIDATES, resolve_budget
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget
 from .serve.cli import read_prompts
@@ -276,7 +277,11 @@ def main(argv=None) -> int:
             sub = Path(spec) / ("eagle3" if m == "eagle3" else "eagle1")
             if sub.is_dir():
                 spec = str(sub)
-            budget = default_budget(m, *((total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else ()))
+            flags = (total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else (None, None, None)
+            if auto:  # autotune_methods starts from the default tree's depth and top-k
+                budget = default_budget(m, *flags)
+            else:  # what serve would run: the flags, else a budget tuned/packaged for this device
+                budget, _ = resolve_budget(args.model, m, args.drafter, *flags, log=log)
             engine.add_method(m, spec, budget)
     prompt_ids = {name: [engine.encode(p, raw=args.raw) for _, p in read_prompts(path)[: args.limit]]
                   for name, path in sets}

@@ -117,6 +117,11 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
 
     assert resolve_budget(str(tiny_hf_dir), "eagle3", "random", None)[0].total_tokens == best["total_tokens"]
     assert resolve_budget(str(tiny_hf_dir), "eagle3", "random", 5)[0].total_tokens == 5  # explicit flags win
+    # a later benchmark without tree flags measures what serve runs: the saved budget, not the 24-token default
+    assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "3",
+                       "--methods", "vanilla,eagle3", "--drafter", "random", "--profile-reps", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert f"total_tokens={best['total_tokens']}," in out["settings"]["budgets"]["eagle3"]
     with pytest.raises(ValueError, match="eagle2"):
         load_budget(path, "eagle2")
 
