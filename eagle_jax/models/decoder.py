@@ -192,7 +192,7 @@ def check_layer_layout(layers: str) -> str:
 def with_layer_layout(params, layers: str = "auto"):
     """`params` in the layout `layers` names: "unroll" (`unstack_layers`), "scan" (`stack_layers`)
     or "auto" (unrolled on the CPU backend, where it decodes fastest; scanned elsewhere)."""
-    if check_layer_layout(layers) == "unroll" or layers == "unroll" or (layers == "auto" and jax.default_backend() == "cpu"):
+    if check_layer_layout(layers) == "unroll" or (layers == "auto" and jax.default_backend() == "cpu"):
         return unstack_layers(params)
     return stack_layers(params)
 
