@@ -65,8 +65,11 @@ def dense_attention(q_bthd, k_bshd, v_bshd, mask_bts):
     p = jnp.exp(scores - mx)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_bshd.dtype), v_bshd, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q_bthd.dtype)
+    # The output keeps the scores' (b, k, g, t) order, then moves t forward: a small transpose of the
+    # output instead of one of p or v inside the dot (on XLA:CPU 1.2-1.6x faster attention at every
+    # shape measured, decode, tree and prefill; same sums).
+    out = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_bshd.dtype), v_bshd, preferred_element_type=jnp.float32)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q_bthd.dtype)
 
 
 class Attention(nn.Module):
