@@ -158,6 +158,30 @@ def decode_output(state: DecodeState, max_new_tokens) -> GenerateOutput:
     return _output(state, max_new_tokens)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"), donate_argnames=("state",))
+def decode_refill(params, cfg: ModelConfig, state: DecodeState, rows_r, tokens_rs, prompt_len_r, max_new_tokens,
+                  eos_ids, sp: SamplingParams, key, prefill_chunk: int = 64) -> DecodeState:
+    """Continuous batching: start new prompts in rows `rows_r` of a running batch.
+
+    The R prompts (tokens_rs [R, S] with the batch's cache length S; sp for R rows) are prefilled in
+    a batch of their own, then their cache, tokens, lengths and flags replace those rows' (the other
+    rows keep decoding untouched). A row index >= B is padding and writes nothing. A refilled row
+    generates what `generate_tokens` would for its prompt alone, except for the sampling key.
+    """
+    count_trace("decode_refill")
+    sub = _start(params, cfg, tokens_rs, prompt_len_r, max_new_tokens, eos_ids, sp, key, prefill_chunk)
+
+    def put(full, part, lead=0):
+        idx = (slice(None),) * lead + (rows_r,)
+        return full.at[idx].set(part, mode="drop")
+
+    cache = KVCache(put(state.cache.k, sub.cache.k, 1), put(state.cache.v, sub.cache.v, 1),
+                    put(state.cache.length, sub.cache.length))
+    return state._replace(cache=cache, tokens=put(state.tokens, sub.tokens), length=put(state.length, sub.length),
+                          done=put(state.done, sub.done), num_new=put(state.num_new, sub.num_new),
+                          last=put(state.last, sub.last))
+
+
 def cache_length_for(prompt_len: int, max_new_tokens: int, bucket: int = 128) -> int:
     """The static cache length that fits prompt + new tokens, rounded up to `bucket` (fewer compiles)."""
     need = prompt_len + max_new_tokens

@@ -82,3 +82,28 @@ def test_prompt_longer_than_cache_is_rejected():
     with pytest.raises(ValueError, match="empty"):
         pack_prompts([[]], 32)
     assert cache_length_for(100, 28) == 128 and cache_length_for(100, 29) == 256
+
+
+def test_continuous_batching_equals_generation_per_prompt(tiny_llama, rng):
+    """Self-distillation's continuous batching (`decode_refill` puts a new prompt into a finished
+    row while the others keep decoding) gives every prompt the greedy reply it gets alone, with its
+    stop reason; rows finish at different steps because of an EOS token and different prompts."""
+    from types import SimpleNamespace
+
+    from eagle_jax.training.selfdistill import Distiller
+
+    _, cfg, params = tiny_llama
+    prompts = [list(map(int, rng.integers(3, cfg.vocab_size, n))) for n in (4, 9, 17, 6, 30, 3, 12, 21)]
+    free, _ = _generate(params, cfg, prompts, 14, cache_len=64)
+    counts = np.bincount(np.concatenate([r[1:10] for r in free]), minlength=cfg.vocab_size)
+    eos = int(np.argmax(counts))  # a token several rows produce early: they stop at different steps
+    ref, _ = _generate(params, cfg, prompts, 14, cache_len=64, eos=jnp.array([eos, -1], jnp.int32))
+    lengths = {len(r) for r in ref}
+    assert len(lengths) > 2 and 14 in lengths, "the test needs rows that stop early and rows that run to the end"
+    engine = SimpleNamespace(params=params, cfg=cfg, eos_ids=[eos], prefill_chunk=16)
+    d = Distiller(engine, max_new_tokens=14, batch_size=3, steps_per_call=3)
+    got = {i: (toks, finish) for i, toks, finish in d.stream(prompts, cache_len=64)}
+    assert sorted(got) == list(range(len(prompts)))
+    for i, r in enumerate(ref):
+        assert got[i] == (r, "stop" if r[-1] == eos else "length"), i
+    assert TRACE_COUNTS.get("decode_refill", 0) >= 1

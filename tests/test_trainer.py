@@ -86,6 +86,18 @@ def _trainer(config, hooks=()):
     return Trainer(TrainConfig.from_dict(config["train"]), params, aux, loss_fn, rec, eval_fn, hooks=hooks), rec
 
 
+def test_eval_at_start_logs_the_starting_params(tmp_path):
+    cfg = _toy_config(tmp_path / "r", total=4)
+    cfg["train"]["eval_at_start"] = True
+    tr, _ = _trainer(cfg)
+    before = tr.eval_fn(tr.state.params, tr.aux)
+    tr.run()
+    tr.close()
+    evals = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4]
+    assert evals[0]["loss"] == pytest.approx(float(before["loss"]), rel=1e-6) and evals[1]["loss"] < evals[0]["loss"]
+
+
 def test_kill_and_resume_is_exact(tmp_path):
     # the run to be killed: a separate process that SIGKILLs itself after step 5 (checkpoint 4 on disk)
     killed_cfg = _toy_config(tmp_path / "killed")

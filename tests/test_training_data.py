@@ -87,6 +87,28 @@ BAD = [
 GOOD = json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]})
 
 
+def test_gzip_files_and_lists_of_files(tmp_path, tiny_tok):
+    """Datasets stored compressed (train/data/*.jsonl.gz) and several files read as one, in order;
+    a conversation id in two files is an error (the files overlap), not a silent duplicate."""
+    import gzip
+
+    line = lambda i, a: json.dumps({"id": i, "conversations": [{"from": "human", "value": "w3 w4"},
+                                                               {"from": "gpt", "value": a}]})
+    plain = write_lines(tmp_path / "a.jsonl", [line("x", "w5 w6"), line("y", "w7")])
+    packed = tmp_path / "b.jsonl.gz"
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write(line("z", "w8 w9 w10") + "\n" + json.dumps({"conversations": [{"from": "gpt", "value": "w3"}]}) + "\n")
+    assert [c["id"] for c in D.load_conversations(packed, on_error="raise")] == ["z", "b-2"]
+    st = {}
+    both = D.load_examples([plain, packed], tiny_tok, 64, on_error="raise", stats=st)
+    one = D.load_examples(plain, tiny_tok, 64) + D.load_examples(packed, tiny_tok, 64)
+    assert len(both) == 4 and set(st["load"]) == {str(plain), str(packed)}
+    for a, b in zip(both, one, strict=True):
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    with pytest.raises(ValueError, match="'x' is also in .*overlap"):
+        D.load_examples([plain, plain], tiny_tok, 64)
+
+
 @pytest.mark.parametrize("line,problem", BAD)
 def test_malformed_line_raise_names_file_line(tmp_path, line, problem):
     p = write_lines(tmp_path / "bad.jsonl", [GOOD, line, GOOD])
@@ -416,7 +438,7 @@ def test_clean_generated_question(raw, want):
 
 def test_seed_topics():
     topics = P.read_seed_topics()
-    assert 60 <= len(topics) <= 100 and len(set(topics)) == len(topics)
+    assert 100 <= len(topics) <= 200 and len(set(topics)) == len(topics)
 
 
 # ---------------------------------------------------------------------------------- self-distill files

@@ -1,6 +1,7 @@
 """Training data for EAGLE heads: conversations in, padded token batches out.
 
-* `load_conversations(path)` reads JSONL in the ShareGPT layout
+* `load_conversations(path)` reads JSONL (plain, or gzip-compressed when the name ends in `.gz`) in the
+  ShareGPT layout
   (`{"id", "conversations": [{"from": "human"|"gpt"|"system", "value"}]}`) or the UltraChat/OpenAI
   layout (`{"id", "messages": [{"role": "user"|"assistant"|"system", "content"}]}`) into
   `{"id", "messages": [{"role", "content"}], ...}`. A malformed line is never dropped silently: it
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import sys
@@ -102,7 +104,8 @@ def load_conversations(path, on_error: str = "skip", stats: Optional[dict] = Non
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
     path = Path(path)
     out, errors, n_lines = [], [], 0
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -120,7 +123,7 @@ def load_conversations(path, on_error: str = "skip", stats: Optional[dict] = Non
                 _warn(f"{where}: skipped: {e}")
                 errors.append((lineno, str(e)))
                 continue
-            conv.setdefault("id", f"{path.stem}-{lineno}")
+            conv.setdefault("id", f"{Path(path.name.removesuffix('.gz')).stem}-{lineno}")
             out.append(conv)
     if errors:
         _warn(f"{path}: skipped {len(errors)} malformed line(s) of {n_lines}; loaded {len(out)}")
@@ -248,10 +251,21 @@ def tokenize_conversations(tokenizer, conversations: Iterable[dict], max_len: in
 
 def load_examples(path, tokenizer, max_len: int, on_error: str = "skip", stats: Optional[dict] = None,
                   progress: bool = False) -> list[dict]:
-    """`load_conversations` + `tokenize_conversations`: a JSONL file → tokenized examples.
-    stats gets {"load": ..., "tokenize": ...}."""
+    """`load_conversations` + `tokenize_conversations`: a JSONL file, or a list of them read in order
+    (e.g. datasets generated in several sessions), → tokenized examples. An id that an earlier file
+    already had is an error: the files overlap. stats gets {"load": ..., "tokenize": ...}."""
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
     load_st, tok_st = {}, {}
-    convs = load_conversations(path, on_error=on_error, stats=load_st)
+    convs, seen = [], {}
+    for p in paths:
+        st: dict = {}
+        for c in load_conversations(p, on_error=on_error, stats=st):
+            if c["id"] in seen:
+                raise ValueError(f"{p}: conversation id {c['id']!r} is also in {seen[c['id']]}: the files overlap "
+                                 f"(a line without an id is named '<file stem>-<line>')")
+            seen[c["id"]] = p
+            convs.append(c)
+        load_st = st if len(paths) == 1 else {**load_st, str(p): st}
     out = tokenize_conversations(tokenizer, convs, max_len, stats=tok_st, progress=progress)
     if stats is not None:
         stats.update(load=load_st, tokenize=tok_st)

@@ -5,7 +5,8 @@ Config sections (defaults in MODEL / DATA / OBJECTIVE below):
              optional warm start from a drafter directory (`init_from`; EAGLE-3 keeps that head's
              draft vocabulary unless `rebuild_vocab`: then this run's data builds it and the head's
              LM head is carried over, see `vocab.remap_draft_vocab`)
-  data:      train/eval JSONL conversations (ShareGPT or messages layout), max_len, how to treat bad
+  data:      train/eval JSONL conversations (ShareGPT or messages layout; `.gz` files are read
+             compressed; `train` may be a list of files, e.g. datasets from several sessions), max_len, how to treat bad
              lines, target features "online" (the frozen target runs inside the step) or "offline"
              (cached once under feature_dir, then streamed), `pack` (several conversations per row,
              kept apart by segment ids: no step computes padding it could fill)
@@ -98,7 +99,7 @@ def eagle_job(config: dict):
     model, data = _section(config, "model", MODEL), _section(config, "data", DATA)
     ocfg = ObjectiveConfig(kind=kind, **_section(config, "objective", OBJECTIVE))
     if not data["train"]:
-        raise ValueError("data.train (a JSONL file of conversations) is required")
+        raise ValueError("data.train (a JSONL file of conversations, or a list of them) is required")
     if data["features"] not in ("online", "offline"):
         raise ValueError(f"data.features must be 'online' or 'offline', got {data['features']!r}")
     path = resolve_model(model["target"])

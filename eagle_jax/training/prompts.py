@@ -181,8 +181,12 @@ EVALS_SUBSETS = (
 
 
 def evals_prompts(per_subset: int = 12, subsets: Sequence[str] = EVALS_SUBSETS, min_chars: int = 30,
-                  max_chars: int = 1500, seed: int = 0, cache_dir=None, stats: Optional[dict] = None) -> list[dict]:
+                  max_chars: int = 1500, seed: int = 0, cache_dir=None, stats: Optional[dict] = None,
+                  skip: int = 0) -> list[dict]:
     """Up to `per_subset` single-turn user prompts from each eval in `subsets` (seeded choice).
+
+    `skip` passes over the first `skip` of each eval's seeded order, so a later dataset can take the
+    prompts after those an earlier one used (`per_subset=30, skip=30` after `per_subset=30`).
 
     Samples are `{"input": [{"role": "system"|"user", "content"}], ...}`; a sample is used when it has
     exactly one user message of min_chars..max_chars ASCII characters. stats gets {subset: count}.
@@ -210,7 +214,7 @@ def evals_prompts(per_subset: int = 12, subsets: Sequence[str] = EVALS_SUBSETS, 
                 seen.add(text)
                 cands.append(text)
         rng = np.random.default_rng([seed, int(hashlib.sha1(sub.encode()).hexdigest()[:8], 16)])
-        pick = sorted(rng.permutation(len(cands))[:per_subset].tolist())
+        pick = sorted(rng.permutation(len(cands))[skip:skip + per_subset].tolist())
         counts[sub] = len(pick)
         for j in pick:
             out.append({"id": f"evals-{sub}-{j}", "prompt": cands[j], "source": "openai-evals"})

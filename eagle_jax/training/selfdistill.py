@@ -3,8 +3,10 @@
 EAGLE-3 trains its drafter on the target's own outputs, so the head learns the distribution it
 will be asked to predict. This tool collects prompts (HumanEval train split, OpenAI-evals
 questions, self-instruct questions the target writes from seed topics), generates replies with the
-target in batches (jitted `generate_tokens`, prompts grouped by length, one cache-length bucket per
-compile), and appends ShareGPT-layout lines to `<out>/generated.jsonl` as each batch finishes:
+target by continuous batching (a finished row takes the next prompt while the others keep decoding:
+`decode_refill`; one cache length for the run, fitted to 90% of the prompts; longer prompts, and
+everything with `--no-continuous`, go in whole batches of `generate_tokens`, one cache-length bucket
+per compile), and appends ShareGPT-layout lines to `<out>/generated.jsonl` as replies finish:
 
     {"id", "conversations": [{"from": "human", "value"}, {"from": "gpt", "value"}], "source",
      "split": "train"|"eval", "finish": "stop"|"length", "prompt_tokens", "new_tokens"}
@@ -76,7 +78,7 @@ def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 # ---------------------------------------------------------------------------------- prompts
 def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instruct_n: int = 300,
-                    evals_per_subset: int = 12, limit: Optional[int] = None, seed: int = 0,
+                    evals_per_subset: int = 12, evals_skip: int = 0, limit: Optional[int] = None, seed: int = 0,
                     counts: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
     """(train prompts, eval prompts). Training prompts are deduplicated and filtered against every
     held-out prompt; self-instruct questions are cached in `<out>/self_instruct_prompts.jsonl`.
@@ -103,7 +105,7 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
         add("humaneval", P.humaneval_prompts("train"))
     if "evals" in sources:
         ev_stats = {}
-        add("openai-evals", P.evals_prompts(per_subset=evals_per_subset, stats=ev_stats))
+        add("openai-evals", P.evals_prompts(per_subset=evals_per_subset, skip=evals_skip, stats=ev_stats))
         counts["openai-evals"]["subsets"] = len([k for k, v in ev_stats.items() if v])
     if "self-instruct" in sources:
         cache = out_dir / "self_instruct_prompts.jsonl"
@@ -143,7 +145,8 @@ class Distiller:
     """Batched greedy/sampled generation of replies with one engine's target."""
 
     def __init__(self, engine, max_new_tokens: int = 256, batch_size: int = 8, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, cache_bucket: int = 128):
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, cache_bucket: int = 128,
+                 continuous: bool = True, steps_per_call: int = 16):
         import jax.numpy as jnp
 
         from ..sampling import SamplingParams
@@ -153,7 +156,10 @@ class Distiller:
         self.batch_size = batch_size
         self.seed = seed
         self.cache_bucket = cache_bucket
+        self.continuous = continuous
+        self.steps_per_call = steps_per_call
         self.sp = SamplingParams.create(batch_size, temperature, top_p, top_k)
+        self.sp_one = SamplingParams.create(1, temperature, top_p, top_k)
         self.eos = jnp.asarray(engine.eos_ids or [-1], jnp.int32)
         self.shapes: set = set()
 
@@ -182,9 +188,65 @@ class Distiller:
         return res
 
 
+    def stream_cache_len(self, prompt_lens: Sequence[int], quantile: float = 0.9) -> int:
+        """The one cache length of a continuous run: the bucket that fits `quantile` of the prompts
+        with max_new_tokens (longer prompts go to `generate` batches of their own length)."""
+        need = int(np.quantile(np.asarray(prompt_lens), quantile)) + self.max_new_tokens
+        return -(-need // self.cache_bucket) * self.cache_bucket
+
+    def stream(self, prompt_ids: Sequence[list[int]], cache_len: int):
+        """Continuous batching: yields (index, reply token ids, finish) as rows finish.
+
+        The first batch_size prompts start together (`decode_start`); every `steps_per_call` decoding
+        steps the finished rows are read out and each gets the next prompt (`decode_refill`), so no
+        row idles until the batch's longest reply ends. Each prompt must fit `cache_len` with
+        max_new_tokens. Greedy replies are those of `generate` (the same computation per row).
+        """
+        import jax
+        import jax.numpy as jnp
+
+        from ..decoding import decode_advance, decode_refill, decode_start, pack_prompts
+
+        e, b = self.engine, self.batch_size
+        mnt = jnp.int32(self.max_new_tokens)
+        key = jax.random.PRNGKey(self.seed * 1000003)
+        pending = list(range(len(prompt_ids)))
+        if not pending:
+            return
+        first, pending = pending[:b], pending[b:]
+        rows = [prompt_ids[i] for i in first] + [prompt_ids[first[0]]] * (b - len(first))
+        toks, lens = pack_prompts(rows, cache_len)
+        self.shapes.add(cache_len)
+        st = decode_start(e.params, e.cfg, jnp.asarray(toks), jnp.asarray(lens), mnt, self.eos, self.sp, key,
+                          prefill_chunk=e.prefill_chunk)
+        owner: list = first + [None] * (b - len(first))  # the prompt index each row is generating
+        plen = [int(x) for x in lens]
+        eos = set(e.eos_ids)
+        refills = 0
+        while any(o is not None for o in owner):
+            st = decode_advance(e.params, e.cfg, st, mnt, self.eos, self.sp, key, jnp.int32(self.steps_per_call))
+            done = np.asarray(st.done)
+            finished = [r for r in range(b) if owner[r] is not None and done[r]]
+            if not finished:
+                continue
+            tokens, num_new = jax.device_get((st.tokens, st.num_new))
+            for r in finished:
+                new = [int(t) for t in tokens[r, plen[r]:plen[r] + int(num_new[r])]]
+                yield owner[r], new, "stop" if new and new[-1] in eos else "length"
+                owner[r] = None
+                if pending:
+                    i = pending.pop(0)
+                    t1, l1 = pack_prompts([prompt_ids[i]], cache_len)
+                    refills += 1
+                    st = decode_refill(e.params, e.cfg, st, jnp.asarray([r], jnp.int32), jnp.asarray(t1),
+                                       jnp.asarray(l1), mnt, self.eos, self.sp_one, jax.random.fold_in(key, refills),
+                                       prefill_chunk=e.prefill_chunk)
+                    owner[r], plen[r] = i, int(l1[0])
+
+
 def distill(engine, prompts: Sequence[dict], out_path: Path, split: str, *, distiller: Distiller,
             max_prompt_tokens: int = 768, seed: int = 0, progress: bool = True, stats: Optional[dict] = None):
-    """Generate replies for `prompts` not yet in out_path, appending ShareGPT lines batch by batch."""
+    """Generate replies for `prompts` not yet in out_path, appending ShareGPT lines as they finish."""
     _repair_tail(out_path)
     done = {r.get("id") for r in read_jsonl(out_path)}
     todo, too_long = [], []
@@ -200,39 +262,58 @@ def distill(engine, prompts: Sequence[dict], out_path: Path, split: str, *, dist
         _log(f"{split}: skipped {len(too_long)} prompt(s) longer than {max_prompt_tokens} tokens (e.g. {too_long[:3]})")
     _log(f"{split}: {len(prompts)} prompts, {len(prompts) - len(todo) - len(too_long)} already done, "
          f"{len(todo)} to generate")
-    batches = plan_batches([len(ids) for _, ids in todo], distiller.batch_size, seed)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), desc=f"distill {split}", file=sys.stderr, unit="reply", dynamic_ncols=True)
-    new_tokens, t_gen, n_done, n_stop = 0, 0.0, 0, 0
-    for bi, batch in enumerate(batches):
-        t0 = time.perf_counter()
-        results = distiller.generate([todo[i][1] for i in batch], key_index=bi)
-        dt = time.perf_counter() - t0
+    tally = {"new_tokens": 0, "seconds": 0.0, "done": 0, "stop": 0}
+
+    def emit(items, dt):
         rows = []
-        for i, (toks, finish) in zip(batch, results):
+        for i, toks, finish in items:
             p, ids = todo[i]
-            text = engine.decode(toks)
             rows.append({"id": p["id"], "conversations": [{"from": "human", "value": p["prompt"]},
-                                                           {"from": "gpt", "value": text}],
+                                                           {"from": "gpt", "value": engine.decode(toks)}],
                          "source": p["source"], "split": split, "finish": finish,
                          "prompt_tokens": len(ids), "new_tokens": len(toks)})
-            new_tokens += len(toks)
-            n_stop += finish == "stop"
+            tally["new_tokens"] += len(toks)
+            tally["stop"] += finish == "stop"
         append_jsonl(out_path, rows)
-        t_gen += dt
-        n_done += len(batch)
+        tally["seconds"] += dt
+        tally["done"] += len(items)
         if bar is not None:
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / max(t_gen, 1e-9):.0f}", shapes=len(distiller.shapes))
+            bar.update(len(items))
+            bar.set_postfix(tok_s=f"{tally['new_tokens'] / max(tally['seconds'], 1e-9):.0f}",
+                            shapes=len(distiller.shapes))
+
+    rest = list(range(len(todo)))
+    if distiller.continuous and len(todo) > distiller.batch_size:
+        cache_len = distiller.stream_cache_len([len(ids) for _, ids in todo])
+        fits = [i for i in rest if len(todo[i][1]) + distiller.max_new_tokens <= cache_len]
+        order = [fits[j] for j in np.random.default_rng(seed).permutation(len(fits))]  # sources mixed
+        fit_set = set(fits)
+        rest = [i for i in rest if i not in fit_set]
+        _log(f"{split}: continuous batching of {len(order)} prompts at cache length {cache_len}; "
+             f"{len(rest)} longer ones in batches of their own")
+        t0 = time.perf_counter()
+        for j, toks, finish in distiller.stream([todo[i][1] for i in order], cache_len):
+            emit([(order[j], toks, finish)], time.perf_counter() - t0)
+            t0 = time.perf_counter()
+    batches = plan_batches([len(todo[i][1]) for i in rest], distiller.batch_size, seed)
+    for bi, batch in enumerate(batches):
+        batch = [rest[k] for k in batch]
+        t0 = time.perf_counter()
+        results = distiller.generate([todo[i][1] for i in batch], key_index=bi)
+        emit([(i, toks, finish) for i, (toks, finish) in zip(batch, results)], time.perf_counter() - t0)
     if bar is not None:
         bar.close()
     if stats is not None:
-        stats.update(generated=n_done, new_tokens=new_tokens, seconds=round(t_gen, 1),
-                     tokens_per_s=round(new_tokens / t_gen, 1) if t_gen else None, stopped_at_eos=n_stop,
-                     skipped_too_long=len(too_long))
+        t_gen = tally["seconds"]
+        stats.update(generated=tally["done"], new_tokens=tally["new_tokens"], seconds=round(t_gen, 1),
+                     tokens_per_s=round(tally["new_tokens"] / t_gen, 1) if t_gen else None,
+                     stopped_at_eos=tally["stop"], skipped_too_long=len(too_long),
+                     continuous=distiller.continuous)
     return stats
 
 
@@ -263,8 +344,10 @@ def write_splits(out_dir: Path) -> dict:
 
 # ---------------------------------------------------------------------------------- measuring
 def measure(engine, prompts: Sequence[dict], batch_sizes: Sequence[int], max_new_tokens: int,
-            batches_each: int = 2) -> dict:
-    """Tokens/s of batched greedy generation per batch size (after a compile run)."""
+            batches_each: int = 2, continuous: bool = True) -> dict:
+    """Tokens/s of batched greedy generation per batch size (after a compile run): whole batches
+    (each runs until its longest reply ends) and, with `continuous`, continuous batching over the
+    same number of prompts."""
     ids = [engine.encode(p["prompt"]) for p in prompts]
     ids.sort(key=len)
     res = {}
@@ -280,6 +363,17 @@ def measure(engine, prompts: Sequence[dict], batch_sizes: Sequence[int], max_new
             toks += sum(len(x) for x, _ in out)
         res[b] = {"tokens": toks, "seconds": round(t, 2), "tokens_per_s": round(toks / t, 1)}
         _log(f"batch {b}: {toks} tokens in {t:.1f}s = {toks / t:.1f} tokens/s")
+        if continuous:  # the same kind of prompts through continuous batching (after a compile run)
+            cache_len = d.stream_cache_len([len(x) for x in ids], quantile=1.0)
+            for _ in d.stream(ids[:b + 1], cache_len):
+                pass
+            chunk = ids[b:b * (batches_each + 1)]
+            t0 = time.perf_counter()
+            toks = sum(len(x) for _, x, _ in d.stream(chunk, cache_len))
+            t = time.perf_counter() - t0
+            res[b]["continuous"] = {"prompts": len(chunk), "tokens": toks, "seconds": round(t, 2),
+                                    "tokens_per_s": round(toks / t, 1)}
+            _log(f"batch {b}, continuous: {toks} tokens in {t:.1f}s = {toks / t:.1f} tokens/s")
     return res
 
 
@@ -292,6 +386,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="at most N training prompts per source")
     ap.add_argument("--self-instruct-n", type=int, default=300)
     ap.add_argument("--evals-per-subset", type=int, default=12)
+    ap.add_argument("--evals-skip", type=int, default=0,
+                    help="skip the first N of each eval's seeded order (the prompts an earlier dataset used)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -299,6 +395,10 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-continuous", action="store_true",
+                    help="whole batches (each runs until its longest reply ends) instead of continuous batching")
+    ap.add_argument("--steps-per-call", type=int, default=16,
+                    help="continuous batching: decoding steps between checks for finished rows")
     ap.add_argument("--no-eval", action="store_true", help="do not generate replies for the held-out prompts")
     ap.add_argument("--measure", default=None, help="comma list of batch sizes: print tokens/s and exit")
     ap.add_argument("--splits-only", action="store_true",
@@ -317,17 +417,19 @@ def main(argv=None) -> int:
         sizes = [int(x) for x in args.measure.split(",")]
         ps = P.humaneval_prompts("train")[:8] + P.load_prompt_file(P.BENCH_CHAT_FILE)[:8] * 8
         print(json.dumps({"max_new_tokens": args.max_new_tokens,
-                          "batch_sizes": measure(engine, ps, sizes, args.max_new_tokens)}))
+                          "batch_sizes": measure(engine, ps, sizes, args.max_new_tokens,
+                                                 continuous=not args.no_continuous)}))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     counts: dict = {}
     train, evals = collect_prompts(engine, sources, out, self_instruct_n=args.self_instruct_n,
-                                   evals_per_subset=args.evals_per_subset, limit=args.limit, seed=args.seed,
-                                   counts=counts)
+                                   evals_per_subset=args.evals_per_subset, evals_skip=args.evals_skip,
+                                   limit=args.limit, seed=args.seed, counts=counts)
     _log("prompts: " + json.dumps(counts))
     d = Distiller(engine, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                  continuous=not args.no_continuous, steps_per_call=args.steps_per_call)
     gen = out / "generated.jsonl"
     runs = {}
     runs["train"] = distill(engine, train, gen, "train", distiller=d, max_prompt_tokens=args.max_prompt_tokens,
@@ -337,6 +439,7 @@ def main(argv=None) -> int:
                                seed=args.seed, stats={})
     split_counts = write_splits(out)
     summary = {"model": args.model, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+               "continuous": not args.no_continuous,
                "temperature": args.temperature, "prompts": counts, "runs": runs, "files": split_counts}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _log(f"done: {json.dumps(split_counts)}")

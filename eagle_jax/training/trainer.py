@@ -41,7 +41,7 @@ DECAYS = ("cosine", "linear", "constant")
 _PLOT_EVERY_S = 300.0
 # TrainConfig fields that do not change the computed params (free to change on resume)
 _BOOKKEEPING = frozenset({"output_dir", "checkpoint_dir", "save_every", "keep_checkpoints", "async_checkpointing",
-                          "log_every", "eval_every", "progress", "plot"})
+                          "log_every", "eval_every", "eval_at_start", "progress", "plot"})
 LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, Mapping[str, jax.Array]]]
 EvalFn = Callable[[Any, Any], Mapping[str, float]]
 
@@ -76,6 +76,7 @@ class TrainConfig:
     async_checkpointing: bool = True
     log_every: int = 10
     eval_every: int = 0  # 0 = only after the last step (when an eval_fn is given)
+    eval_at_start: bool = False  # also evaluate before step 1 (a warm start's baseline on the same data)
     progress: bool = True
     plot: bool = True
 
@@ -425,6 +426,8 @@ class Trainer:
         bar = tqdm(total=end, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True,
                    disable=not (cfg.progress and self.is_main))
         window, t_log, last_eval = [], time.perf_counter(), -1
+        if cfg.eval_at_start and step == 0 and self.eval_fn is not None:
+            self.evaluate()
         try:
             while step < end:
                 try:
