@@ -27,6 +27,20 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage4.json "$@"
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage5.json "$@"
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage6.json "$@"
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage7.json "$@"
+# sd4 (stored in the repository, train/data/*.jsonl.gz, so later sessions need not regenerate it):
+# new OpenAI-evals questions (the 30 after sd3's per eval), 1000 new self-instruct questions (seed 4,
+# 49 more seed topics) and HumanEval-train, replies by continuous batching; the held-out replies
+# alone (--limit 0) give train/data/heldout.jsonl.gz. Stage 8 trains the stage-7 head on it.
+python -m eagle_jax.training.selfdistill --out runs/sd4 --max-new-tokens 256 --batch-size 16 \
+  --sources evals,self-instruct --evals-per-subset 30 --evals-skip 30 --self-instruct-n 1000 --seed 4 --no-eval
+python -m eagle_jax.training.selfdistill --out runs/sd4c --max-new-tokens 256 --batch-size 16 \
+  --sources humaneval --seed 4 --no-eval
+python -m eagle_jax.training.selfdistill --out runs/sd4h --max-new-tokens 256 --batch-size 16 \
+  --sources humaneval --limit 0 --seed 4
+mkdir -p train/data
+[[ -f train/data/sd4.jsonl.gz ]] || cat runs/sd4/train.jsonl runs/sd4c/train.jsonl | gzip -9 > train/data/sd4.jsonl.gz
+[[ -f train/data/heldout.jsonl.gz ]] || gzip -9 -c runs/sd4h/eval.jsonl > train/data/heldout.jsonl.gz
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage8.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
