@@ -188,3 +188,59 @@ def test_packed_rows_score_what_separate_rows_score(setup, kind, features):
     # and the segments matter: the same row read as one example scores something else
     merged = {k: v for k, v in packed.items() if k not in ("segment_ids", "positions")}
     assert abs(float(loss_fn(head.params, aux, merged, jax.random.PRNGKey(0))[0]) - float(lu)) > 1e-4
+
+
+def _dense_ttt_mask(n: int, step: int, l: int):
+    """[L, n·L] visibility of rollout step `step` when every step's keys sit in slots [s·L, (s+1)·L):
+    causal over the step-0 keys, then step s's key at the query's own index for 1 ≤ s ≤ step."""
+    j = np.arange(l)
+    eye = j[None, :] == j[:, None]
+    return np.concatenate([j[None, :] <= j[:, None]] + [eye & (s <= step) for s in range(1, n)], axis=1)
+
+
+@pytest.mark.parametrize("kvh,group", [(1, 1), (2, 3)])
+def test_rollout_attention_is_the_dense_ttt_mask(kvh, group):
+    """RolloutKeys' compact attention (step-0 block + the diagonal keys) equals dense attention over
+    all n·L keys under the training-time-test mask, at every rollout step; segments included."""
+    from eagle_jax.models.layers import RolloutKeys, dense_attention
+
+    b, l, d, n = 2, 7, 8, 4
+    rng = np.random.default_rng(3)
+    seg = np.array([[1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1]])
+    mask0 = (np.tril(np.ones((l, l), bool))[None] & (seg[:, :, None] == seg[:, None, :]))
+    keys = RolloutKeys(jnp.asarray(mask0))
+    k_all = np.zeros((b, n * l, kvh, d), np.float32)
+    v_all = np.zeros_like(k_all)
+    for step in range(n):
+        q, k, v = (rng.normal(size=(b, l, h, d)).astype(np.float32) for h in (kvh * group, kvh, kvh))
+        out, keys = keys.step(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+        k_all[:, step * l:(step + 1) * l], v_all[:, step * l:(step + 1) * l] = k, v
+        in_seg = np.concatenate([mask0, np.ones((b, l, (n - 1) * l), bool)], axis=2)
+        mask = jnp.asarray(_dense_ttt_mask(n, step, l)[None] & in_seg)
+        ref = dense_attention(jnp.asarray(q), jnp.asarray(k_all), jnp.asarray(v_all), mask)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+        assert keys.kd.shape == (b, l, step, kvh, d)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_bfloat16_compute_trains_float32_params(setup, kind):
+    """compute_dtype="bfloat16": the head runs on a bf16 copy, the loss is float32 and close to the
+    float32 loss, and the gradients are float32 and point the same way as float32's."""
+    cfg, params, head3, batch = setup
+    head = head3 if kind == "eagle3" else init_head(DraftConfig.for_target("eagle1", cfg), jax.random.PRNGKey(1))
+    aux = {"target": params, "d2t": head.d2t} if kind == "eagle3" else {"target": params}
+    out = {}
+    for dt in ("float32", "bfloat16"):
+        loss_fn = make_loss_fn(ObjectiveConfig(kind, ttt_length=3, noise=0.0, compute_dtype=dt), head.cfg, cfg)
+        (loss, m), g = jax.value_and_grad(lambda p: loss_fn(p, aux, batch, jax.random.PRNGKey(0)), has_aux=True)(
+            head.params)
+        out[dt] = (loss, g)
+    (l32, g32), (l16, g16) = out["float32"], out["bfloat16"]
+    assert l16.dtype == jnp.float32 and float(l16) != float(l32)  # really computed in bf16
+    np.testing.assert_allclose(float(l16), float(l32), rtol=2e-2)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))
+    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+    a, b = flat(g32), flat(g16)
+    assert np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99
+    with pytest.raises(ValueError, match="compute_dtype"):
+        ObjectiveConfig(kind, compute_dtype="int8")

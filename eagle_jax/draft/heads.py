@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.decoder import KVCache, forward, lm_logits
-from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, rope_cos_sin
+from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, RolloutKeys, rope_cos_sin
 from .config import DraftConfig
 
 
@@ -150,9 +150,11 @@ def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: 
               slots_bt=None, mask_bts=None):
     """One pass of the head over T (token, hidden) pairs.
 
-    With a cache, the block's keys go to `slots_bt` (default: cache.length + t) and the queries see
-    the slots `mask_bts` allows (default: committed slots + causal inside the block); the cache's
-    length is not advanced. Without a cache, `mask_bts` is [B, T, T] (default causal).
+    With a `RolloutKeys` (EAGLE-3 training-time test), the block attends as that structure says and
+    it comes back with the block's keys added. With a cache, the block's keys go to `slots_bt`
+    (default: cache.length + t) and the queries see the slots `mask_bts` allows (default: committed
+    slots + causal inside the block); the cache's length is not advanced. Without a cache,
+    `mask_bts` is [B, T, T] (default causal).
     Returns (h' [B, T, d], cache).
     """
     lc = head.cfg.layer
@@ -167,6 +169,8 @@ def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: 
             mask_bts = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
         out, _ = m.apply({"params": head.params}, emb, h_btd.astype(lc.jnp_dtype), cos, sin, mask_bts, None)
         return out, None
+    if isinstance(cache, RolloutKeys):  # a training-time-test step: its own mask, its keys appended
+        return m.apply({"params": head.params}, emb, h_btd.astype(lc.jnp_dtype), cos, sin, None, cache)
     if slots_bt is None:
         slots_bt = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if mask_bts is None:

@@ -6,7 +6,7 @@ so checkpoint conversion is a transpose and a stack, never a lookup table.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -46,6 +46,15 @@ def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax
     return x_bthd * cos + rot * sin
 
 
+def _softmax_or_zeros(scores):
+    """Softmax over the last axis of float32 scores with -inf for hidden keys; all-hidden rows → 0."""
+    mx = jnp.max(scores, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.exp(scores - mx)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom > 0, denom, 1.0)
+
+
 def dense_attention(q_bthd, k_bshd, v_bshd, mask_bts):
     """Reference attention: softmax(q k^T / sqrt(d)) v over all S keys, masked by `mask_bts`.
 
@@ -59,12 +68,7 @@ def dense_attention(q_bthd, k_bshd, v_bshd, mask_bts):
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
     mask = mask_bts[:, None, None, :, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    mx = jnp.max(scores, axis=-1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.exp(scores - mx)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
+    p = _softmax_or_zeros(jnp.where(mask, scores, -jnp.inf))
     # The output keeps the scores' (b, k, g, t) order, then moves t forward: a small transpose of the
     # output instead of one of p or v inside the dot (on XLA:CPU 1.2-1.6x faster attention at every
     # shape measured, decode, tree and prefill; the same math, though XLA may order the float sums
@@ -73,10 +77,57 @@ def dense_attention(q_bthd, k_bshd, v_bshd, mask_bts):
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q_bthd.dtype)
 
 
+class RolloutKeys(NamedTuple):
+    """The keys an EAGLE-3 training-time-test step attends to, kept compact (pass it as `cache`).
+
+    Rollout step i at index j sees the step-0 keys at the indices `mask0_btt` allows (causal, its
+    own segment) and, for 1 <= s <= i, step s's key at index j itself (the "diagonal"). A dense
+    [L, n·L] mask over all steps' keys would spend n times the score work on masked entries;
+    here step i costs one [L, L] score block plus i scores per query.
+    """
+
+    mask0_btt: jax.Array  # [B, L, L] visibility among step-0 keys
+    k0: Optional[jax.Array] = None  # [B, L, Hkv, Dh] step-0 keys and values (None before step 0)
+    v0: Optional[jax.Array] = None
+    kd: Optional[jax.Array] = None  # [B, L, S, Hkv, Dh] keys and values of steps 1..S at each index
+    vd: Optional[jax.Array] = None
+
+    def step(self, q_bthd, k_bthd, v_bthd):
+        """This step's attention output, and the keys with this step's own added."""
+        if self.k0 is None:  # step 0: causal attention over its own keys
+            b, t, kvh, d = k_bthd.shape
+            empty = jnp.zeros((b, t, 0, kvh, d), k_bthd.dtype)
+            return (dense_attention(q_bthd, k_bthd, v_bthd, self.mask0_btt),
+                    self._replace(k0=k_bthd, v0=v_bthd, kd=empty, vd=empty))
+        keys = self._replace(kd=jnp.concatenate([self.kd, k_bthd[:, :, None]], axis=2),
+                             vd=jnp.concatenate([self.vd, v_bthd[:, :, None]], axis=2))
+        return rollout_attention(q_bthd, keys.k0, keys.v0, keys.kd, keys.vd, self.mask0_btt), keys
+
+
+def rollout_attention(q_bthd, k0_bshd, v0_bshd, kd_btshd, vd_btshd, mask0_bts):
+    """softmax over [the step-0 keys under `mask0_bts`; the S diagonal keys of query t's own index]
+    — `dense_attention`'s math (float32 scores and softmax, GQA) on the compact TTT layout."""
+    b, t, h, d = q_bthd.shape
+    kvh = k0_bshd.shape[2]
+    g = h // kvh
+    l0 = k0_bshd.shape[1]
+    q = q_bthd.reshape(b, t, kvh, g, d)
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    s0 = jnp.einsum("btkgd,bskd->bkgts", q, k0_bshd, preferred_element_type=jnp.float32) * scale
+    s0 = jnp.where(mask0_bts[:, None, None, :, :], s0, -jnp.inf)
+    sd = jnp.einsum("btkgd,btskd->bkgts", q, kd_btshd, preferred_element_type=jnp.float32) * scale
+    p = _softmax_or_zeros(jnp.concatenate([s0, sd], axis=-1))
+    p0, pd = p[..., :l0].astype(v0_bshd.dtype), p[..., l0:].astype(vd_btshd.dtype)
+    out = jnp.einsum("bkgts,bskd->bkgtd", p0, v0_bshd, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgts,btskd->bkgtd", pd, vd_btshd, preferred_element_type=jnp.float32)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q_bthd.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with optional q/k/v bias, q/k RMSNorm and a shared KV cache.
 
-    `cache` is None (attend within the block only) or `(k, v, layer, slots_bt)`: the full stacked
+    `cache` is None (attend within the block only), a `RolloutKeys` (an EAGLE-3 training-time-test
+    step; returned with this step's keys added) or `(k, v, layer, slots_bt)`: the full stacked
     cache `[L, B, S, Hkv, Dh]`, this layer's index, and the cache slots the block's keys go to.
     The new keys are scattered in place (slots past the end are dropped) and the queries attend to
     all S slots of this layer under `mask_bts`, or, when `mask_bts` is a `kernels.BlockMask`
@@ -104,6 +155,8 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         if cache is None:
             out = dense_attention(q, k, v, mask_bts)
+        elif isinstance(cache, RolloutKeys):
+            out, cache = cache.step(q, k, v)
         else:
             k_all, v_all, layer, slots_bt = cache
             rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))

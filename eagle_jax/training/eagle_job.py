@@ -42,7 +42,8 @@ MODEL = {"target": "smollm2-135m-instruct", "dtype": "float32", "draft_vocab_siz
          "rebuild_vocab": False}
 DATA = {"train": None, "eval": None, "max_len": 512, "on_error": "skip", "features": "online", "feature_dir": None,
         "eval_batches": 4, "pack": False}
-OBJECTIVE = {"ttt_length": 7, "step_decay": 0.8, "noise": 0.2, "v_weight": 1.0, "p_weight": 0.1}
+OBJECTIVE = {"ttt_length": 7, "step_decay": 0.8, "noise": 0.2, "v_weight": 1.0, "p_weight": 0.1,
+             "compute_dtype": "float32"}
 
 
 def _log(msg: str):

@@ -10,9 +10,10 @@ EAGLE-1:  loss = v_weight · SmoothL1(h'_j, f_{j+1}) + p_weight · CE(p_target(j
 EAGLE-3:  training-time test — `ttt_length` rollout steps; step 0 reads the fused target features,
           step i reads the head's own step-(i-1) outputs with tokens shifted by i, at positions j+i.
           Step i at index j attends to the step-0 keys at indices ≤ j (the real prefix) and to the
-          step-s keys at index j for 1 ≤ s ≤ i (its own drafted chain: the "diagonal" mask). It is
-          implemented as the inference cache path with step s's keys in slots [s·L, (s+1)·L), so
-          training and drafting share one attention. Loss: soft cross-entropy against the target's
+          step-s keys at index j for 1 ≤ s ≤ i (its own drafted chain: the "diagonal" mask).
+          It runs on the compact `RolloutKeys` layout: one [L, L] score block plus i diagonal scores
+          a query, not a dense [L, n·L] mask (the same softmax; tested against step-by-step drafting
+          through the inference cache). Loss: soft cross-entropy against the target's
           distribution restricted to the draft vocabulary, weighted step_decay**i; positions whose
           target argmax is outside the draft vocabulary are skipped (as SpecForge does).
 Metrics: `loss`, `acc_i` (top-1 of rollout step i against the target's argmax; EAGLE-1 has acc_0
@@ -29,7 +30,8 @@ import jax.numpy as jnp
 
 from ..draft.heads import DraftHead, fuse_features, head_logits, head_step
 from ..models.config import ModelConfig
-from ..models.decoder import KVCache, forward, lm_logits
+from ..models.decoder import forward, lm_logits
+from ..models.layers import RolloutKeys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +42,16 @@ class ObjectiveConfig:
     noise: float = 0.2  # EAGLE-1 uniform feature noise amplitude (0 = off)
     v_weight: float = 1.0  # EAGLE-1 SmoothL1 weight
     p_weight: float = 0.1  # EAGLE-1 cross-entropy weight
+    # The head's matmuls run in this dtype (mixed precision: the trained params, the optimizer and
+    # the loss stay float32; the head sees a cast copy). "bfloat16" is several times faster where the
+    # CPU has bf16 matrix units (AMX, AVX512-BF16) and on TPUs/GPUs.
+    compute_dtype: str = "float32"
 
     def __post_init__(self):
         if self.kind not in ("eagle1", "eagle3"):
             raise ValueError(f"objective kind must be eagle1 or eagle3, got {self.kind!r}")
+        if self.compute_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
         if self.ttt_length < 1:
             raise ValueError("ttt_length must be >= 1")
 
@@ -116,17 +124,6 @@ def eagle1_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     return loss, {"loss": loss, "vloss": vloss, "ploss_0": ploss, "acc_0": acc, "tokens": jnp.sum(mask)}
 
 
-def ttt_mask(length: int, step: int, l: int):
-    """[L, length·L] visibility of rollout step `step`: causal over step-0 keys, then one key per
-    earlier step s ≥ 1 at the query's own index (and the query's own key for s = step)."""
-    j = jnp.arange(l)
-    blocks = [j[None, :] <= j[:, None]]
-    eye = j[None, :] == j[:, None]
-    for s in range(1, length):
-        blocks.append(eye & (s <= step))
-    return jnp.concatenate(blocks, axis=1)
-
-
 def target_top1(target_params, tcfg: ModelConfig, hidden_bld):
     """(the target's top-1 probability, its greedy token) at every position: the full-vocabulary LM
     head one row at a time (a [B, L, V] block of logits would be too big)."""
@@ -157,7 +154,6 @@ def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     """`batch` may carry "target_argmax" (cached offline); otherwise it is computed here."""
     del rng
     ids = batch["input_ids"]
-    b, l = ids.shape
     n = ocfg.ttt_length
     embed = target_params["embed_tokens"]["embedding"]
     draft_ids = jnp.arange(head.cfg.draft_vocab_size) + head.d2t  # target id of each draft token
@@ -166,16 +162,13 @@ def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     t_p = jax.nn.softmax(_draft_logits(target_params, tcfg, hidden_bld, draft_ids), -1)  # B L Vd
     base_mask = batch["loss_mask"] * _valid(batch)
     seg, pos0 = _segments(batch)
-    cache = KVCache.create(head.cfg.layer, b, n * l)
+    # step-0 keys: causal, and only the query's own segment (a packed row's other examples stay
+    # invisible); later steps add their own key at each index (RolloutKeys)
+    keys = RolloutKeys(_causal_in_segment(seg))
     h = fuse_features(head, feats_blf)
-    idx = jnp.broadcast_to(jnp.arange(l)[None], (b, l))
-    # step-0 keys: only the query's own segment (a packed row's other examples stay invisible)
-    in_seg = jnp.concatenate([seg[:, :, None] == seg[:, None, :], jnp.ones((b, l, (n - 1) * l), bool)], axis=2)
     loss, metrics = 0.0, {}
     for i in range(n):
-        mask_bts = ttt_mask(n, i, l)[None] & in_seg
-        slots = idx + i * l
-        h, cache = head_step(head, embed, _shift(ids, 1 + i), h, pos0 + i, cache, slots, mask_bts)
+        h, keys = head_step(head, embed, _shift(ids, 1 + i), h, pos0 + i, keys)
         logp = jax.nn.log_softmax(head_logits(head, target_params, tcfg, h), -1)
         tgt_p = _shift(t_p, 1 + i)
         tgt_arg = _shift(t_argmax, 1 + i)
@@ -199,8 +192,14 @@ def make_loss_fn(ocfg: ObjectiveConfig, head_cfg, tcfg: ModelConfig) -> Callable
     if ocfg.kind != head_cfg.kind:
         raise ValueError(f"objective {ocfg.kind} does not fit a {head_cfg.kind} head")
 
+    run_cfg = head_cfg
+    if ocfg.compute_dtype != head_cfg.layer.dtype:
+        run_cfg = head_cfg.replace(layer=head_cfg.layer.replace(dtype=ocfg.compute_dtype))
+
     def loss_fn(params, aux, batch, rng):
-        head = DraftHead(params, aux.get("d2t"), head_cfg)
+        if run_cfg is not head_cfg:  # a cast copy: gradients flow back to the float32 params
+            params = jax.tree.map(lambda x: x.astype(run_cfg.layer.jnp_dtype), params)
+        head = DraftHead(params, aux.get("d2t"), run_cfg)
         if "features" in batch:
             feats, hidden = batch["features"], batch.get("hidden")
         else:
