@@ -2,12 +2,12 @@
 # The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in eight stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in nine stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
-#      bf16 compute) — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for
-#      EAGLE-1);
+#      bf16 compute), stage 9 on sd4 + sd5 (stored too) — and an EAGLE-1 head on runs/sd
+#      (offline features for EAGLE-3, online for EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -42,9 +42,21 @@ mkdir -p train/data
 [[ -f train/data/sd4.jsonl.gz ]] || cat runs/sd4/train.jsonl runs/sd4c/train.jsonl | gzip -9 > train/data/sd4.jsonl.gz
 [[ -f train/data/heldout.jsonl.gz ]] || gzip -9 -c runs/sd4h/eval.jsonl > train/data/heldout.jsonl.gz
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage8.json "$@"
+# sd5 (stored as well): 700 new self-instruct questions (seed 5) and the OpenAI-evals questions after
+# sd4's (--evals-skip 60); ids already in sd4 are dropped. Stage 9 trains the stage-8 head on sd4 + sd5.
+python -m eagle_jax.training.selfdistill --out runs/sd5 --max-new-tokens 256 --batch-size 16 \
+  --sources evals,self-instruct --evals-per-subset 40 --evals-skip 60 --self-instruct-n 700 --seed 5 --no-eval
+[[ -f train/data/sd5.jsonl.gz ]] || python - <<'PY'
+import gzip, json
+seen = {json.loads(l)["id"] for l in gzip.open("train/data/sd4.jsonl.gz", "rt")}
+rows = [l for l in open("runs/sd5/train.jsonl") if json.loads(l)["id"] not in seen]
+with gzip.open("train/data/sd5.jsonl.gz", "wt") as f:
+    f.writelines(rows)
+PY
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage9.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage8/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage9/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
