@@ -89,13 +89,22 @@ class Engine:
       layers: "unroll" (a compiled program per layer, each reading its own weights: the fastest on
         CPU), "scan" (the stacked checkpoint layout in one scanned layer: faster compiles, the
         layout sharded training uses) or "auto" (unroll on CPU, scan elsewhere). Same numbers.
+      matmul: "cpu_kernel" (the AVX-512 few-row matmul of `kernels/cpu_matmul.py`: a tree
+        verification costs little more than one token there), "xla", or "auto" (the kernel when
+        JAX runs on an AVX-512 CPU and it builds, else XLA). Float32 products only. With the
+        kernel, a GGUF model (an alias or a .gguf file) also keeps its Q4_1 / Q8_0 blocks, which
+        few-row products read instead of the float32 weights (same result; `models/quantized.py`).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", attention: str = "reference",
                  max_cache_len: Optional[int] = None, cache_bucket: int = 128, prefill_chunk: int = 64,
                  method: str = "vanilla", drafter: Optional[str] = None, budget: Optional[TreeBudget] = None,
-                 progress: bool = True, layers: str = "auto", compile_cache: bool = True):
+                 progress: bool = True, layers: str = "auto", compile_cache: bool = True, matmul: str = "auto"):
         from transformers import AutoTokenizer
+
+        from .kernels.cpu_matmul import resolve_matmul_impl
+        from .models.quantized import attach_gguf_blocks
+        from .models.registry import model_gguf
 
         check_layer_layout(layers)  # before any loading
 
@@ -105,6 +114,14 @@ class Engine:
         self.path = Path(resolve_model(model, progress=progress))
         t0 = time.perf_counter()
         self.cfg, self.params = load_hf_dir(self.path, dtype=dtype, attention_impl=attention)
+        self.cfg = self.cfg.replace(matmul_impl=resolve_matmul_impl(matmul))
+        self.quantized = False
+        if self.cfg.matmul_impl == "cpu_kernel":
+            gguf = model_gguf(model)
+            if gguf is not None:
+                say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
+                self.params = attach_gguf_blocks(self.params, self.cfg, gguf, log=say)
+                self.quantized = True
         self.params = with_layer_layout(self.params, layers)
         self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))

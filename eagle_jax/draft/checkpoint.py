@@ -304,7 +304,7 @@ def draft_config_from_hf(hf: Mapping, target_cfg: ModelConfig, *, kind: Optional
     if "qkv_bias" in eagle:
         layer = layer.replace(qkv_bias=bool(eagle["qkv_bias"]))
     layer = layer.replace(num_layers=1, dtype=dtype or target_cfg.dtype, attention_impl=target_cfg.attention_impl,
-                          tie_word_embeddings=target_cfg.tie_word_embeddings)
+                          matmul_impl=target_cfg.matmul_impl, tie_word_embeddings=target_cfg.tie_word_embeddings)
     if kind == "eagle3":
         th = int(eagle.get("target_hidden_size") or layer.hidden_size)
         if th != target_cfg.hidden_size:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.decoder import KVCache, forward, lm_logits
-from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, RolloutKeys, rope_cos_sin
+from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, RolloutKeys, dense, rope_cos_sin
 from .config import DraftConfig
 
 
@@ -47,8 +47,7 @@ class Eagle1Module(nn.Module):
     @nn.compact
     def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None):
         lc = self.cfg.layer
-        x = nn.Dense(lc.hidden_size, use_bias=self.cfg.fc_bias, dtype=lc.jnp_dtype, param_dtype=lc.jnp_dtype,
-                     name="fc")(jnp.concatenate([emb_btd, h_btd], axis=-1))
+        x = dense(lc, "fc", lc.hidden_size, self.cfg.fc_bias)(jnp.concatenate([emb_btd, h_btd], axis=-1))
         return DecoderLayer(lc, input_norm=False, name="layer")(x, cos, sin, mask_bts, cache)
 
 
@@ -57,11 +56,10 @@ class Eagle3Module(nn.Module):
 
     def setup(self):
         lc = self.cfg.layer
-        self.fc = nn.Dense(lc.hidden_size, use_bias=self.cfg.fc_bias, dtype=lc.jnp_dtype, param_dtype=lc.jnp_dtype)
+        self.fc = dense(lc, None, lc.hidden_size, self.cfg.fc_bias)
         self.midlayer = Eagle3Layer(lc)
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps, lc.jnp_dtype)
-        self.lm_head = nn.Dense(self.cfg.draft_vocab_size, use_bias=False, dtype=lc.jnp_dtype,
-                                param_dtype=lc.jnp_dtype)
+        self.lm_head = dense(lc, None, self.cfg.draft_vocab_size, False)
 
     def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None):
         return self.midlayer(emb_btd, h_btd, cos, sin, mask_bts, cache)

@@ -65,7 +65,9 @@ class ModelConfig:
 
     `dtype` is the parameter/activation dtype ("float32" is the fast one on CPU, "bfloat16" on
     TPU/GPU); attention softmax and RMSNorm always accumulate in float32. `attention_impl` picks the
-    attention used for tree verification ("reference" jnp or "pallas").
+    attention used for tree verification ("reference" jnp or "pallas"); `matmul_impl` the weight
+    products ("xla", or "cpu_kernel": the AVX-512 custom call of `kernels.cpu_matmul` for products
+    of at most 16 rows, an inference path without gradients).
     """
 
     family: str = "llama"
@@ -88,6 +90,7 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: keys further back than this are masked
     dtype: str = "float32"
     attention_impl: str = "reference"
+    matmul_impl: str = "xla"  # "cpu_kernel": few-row products through kernels/cpu_matmul (inference on x86 CPUs)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -98,6 +101,9 @@ class ModelConfig:
         if self.attention_impl not in ("reference", "pallas"):
             raise UnsupportedConfigError(f"attention_impl must be 'reference' (jnp) or 'pallas' (the tree-attention "
                                          f"kernel), got {self.attention_impl!r}")
+        if self.matmul_impl not in ("xla", "cpu_kernel"):
+            raise UnsupportedConfigError(f"matmul_impl must be 'xla' or 'cpu_kernel' (the AVX-512 few-row matmul), "
+                                         f"got {self.matmul_impl!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UnsupportedConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:

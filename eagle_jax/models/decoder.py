@@ -14,6 +14,8 @@ and, inside the block, the keys that `block_mask_btt` allows (default: causal).
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple, Optional, Sequence
 
 import flax.struct
@@ -218,6 +220,17 @@ def _capture(caps, layer_caps, i, h):
 
 def lm_logits(params, cfg: ModelConfig, hidden_btd) -> jax.Array:
     """Float32 logits over the vocabulary (tied embeddings use the embedding matrix)."""
+    if cfg.matmul_impl == "cpu_kernel":
+        from ..kernels.cpu_matmul import MAX_ROWS, QUANT_BLOCK_BYTES, matmul, qmatmul
+
+        h = hidden_btd.astype(jnp.float32)
+        head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+        kind = next((k for k in QUANT_BLOCK_BYTES if k in head), None)
+        if kind is not None and math.prod(h.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
+            return qmatmul(h, head[kind], kind)
+        if cfg.tie_word_embeddings:
+            return matmul(h, params["embed_tokens"]["embedding"].astype(jnp.float32), "nk")
+        return matmul(h, params["lm_head"]["kernel"].astype(jnp.float32), "kn")
     if cfg.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # V D
         return jnp.einsum("...d,vd->...v", hidden_btd, w, preferred_element_type=jnp.float32)

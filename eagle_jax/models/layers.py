@@ -6,7 +6,8 @@ so checkpoint conversion is a transpose and a stack, never a lookup table.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import math
+from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -123,6 +124,39 @@ def rollout_attention(q_bthd, k0_bshd, v0_bshd, kd_btshd, vd_btshd, mask0_bts):
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q_bthd.dtype)
 
 
+class KernelDense(nn.Module):
+    """`nn.Dense` (same parameters: kernel [in, out], optional bias) whose product goes through
+    `kernels.cpu_matmul` (few rows, float32, AVX-512); larger products fall back to XLA's dot.
+    When the params also hold the layer's GGUF blocks ("q4_1" / "q8_0", `models/quantized.py`),
+    few-row products read those instead: the same float32 result from a fifth of the bytes."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        from ..kernels.cpu_matmul import MAX_ROWS, QUANT_BLOCK_BYTES, matmul, qmatmul
+
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
+        kind = next((k for k in QUANT_BLOCK_BYTES if self.has_variable("params", k)), None)
+        if kind is not None and math.prod(x.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
+            y = qmatmul(x, self.get_variable("params", kind), kind).astype(self.dtype)
+        else:
+            y = matmul(x.astype(self.dtype), kernel.astype(self.dtype)).astype(self.dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
+        return y
+
+
+def dense(cfg: ModelConfig, name: Optional[str], features: int, use_bias: bool) -> nn.Module:
+    """The model's linear layer: `nn.Dense`, or `KernelDense` when `cfg.matmul_impl == "cpu_kernel"`."""
+    dt = cfg.jnp_dtype
+    cls = KernelDense if cfg.matmul_impl == "cpu_kernel" else nn.Dense
+    return cls(features, use_bias=use_bias, dtype=dt, param_dtype=dt, name=name)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with optional q/k/v bias, q/k RMSNorm and a shared KV cache.
 
@@ -141,10 +175,9 @@ class Attention(nn.Module):
         cfg = self.cfg
         dt = cfg.jnp_dtype
         b, t, _ = x_btd.shape
-        dense = lambda n, feats, bias: nn.Dense(feats, use_bias=bias, dtype=dt, param_dtype=dt, name=n)
-        q = dense("q_proj", cfg.num_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
-        k = dense("k_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
-        v = dense("v_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
+        q = dense(cfg, "q_proj", cfg.num_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
+        k = dense(cfg, "k_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
+        v = dense(cfg, "v_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -171,7 +204,7 @@ class Attention(nn.Module):
             else:
                 out = dense_attention(q, k_all[layer], v_all[layer], mask_bts)
             cache = (k_all, v_all)
-        out = dense("o_proj", cfg.hidden_size, cfg.o_bias)(out.reshape(b, t, cfg.num_heads * cfg.head_dim))
+        out = dense(cfg, "o_proj", cfg.hidden_size, cfg.o_bias)(out.reshape(b, t, cfg.num_heads * cfg.head_dim))
         return out, cache
 
 
@@ -181,11 +214,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        dt = cfg.jnp_dtype
-        dense = lambda n, feats: nn.Dense(feats, use_bias=cfg.mlp_bias, dtype=dt, param_dtype=dt, name=n)
-        gate = dense("gate_proj", cfg.intermediate_size)(x)
-        up = dense("up_proj", cfg.intermediate_size)(x)
-        return dense("down_proj", cfg.hidden_size)(jax.nn.silu(gate) * up)
+        gate = dense(cfg, "gate_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
+        up = dense(cfg, "up_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
+        return dense(cfg, "down_proj", cfg.hidden_size, cfg.mlp_bias)(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -275,6 +275,18 @@ def _resolve_gguf(path: Path, cache: Path, progress: bool) -> Path:
         return _convert(path, out_dir, progress)
 
 
+def model_gguf(spec: str | os.PathLike | None = None, cache_dir=None) -> Path | None:
+    """The GGUF file a model spec was converted from (an alias or a .gguf path), else None."""
+    spec = DEFAULT_MODEL if spec is None else spec
+    text = os.fspath(spec)
+    if text.lower() in ALIASES:
+        return alias_gguf(text.lower(), cache_dir)
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path.resolve()
+    return None
+
+
 # ---------------------------------------------------------------------------------- entry point
 def resolve_model(spec: str | os.PathLike | None = None, cache_dir=None, progress: bool = True) -> Path:
     """Path of a HF directory for `spec` (alias, HF directory or .gguf file; None → DEFAULT_MODEL)."""

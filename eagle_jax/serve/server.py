@@ -51,6 +51,7 @@ class ServeOptions:
     dtype: str = "float32"
     attention: str = "reference"
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
+    matmul: str = "auto"  # weight products: cpu_kernel | xla | auto (Engine's `matmul`)
     max_cache_len: int = SERVING_CACHE_LEN
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len
     max_active: int = 8
@@ -110,7 +111,7 @@ class ServerState:
                 method = pick_method(o.model, o.method, o.drafter)
                 self._say(f"loading {o.model} (method {method}) ...")
                 self.engine = Engine(o.model, dtype=o.dtype, attention=o.attention, max_cache_len=o.max_cache_len,
-                                     layers=o.layers, method=method, drafter=o.drafter, budget=o.budget,
+                                     layers=o.layers, matmul=o.matmul, method=method, drafter=o.drafter, budget=o.budget,
                                      progress=self.progress)
                 self.model_name = o.served_model_name or self.engine.name
                 if o.tune_path is not None and self.engine.method in ("eagle2", "eagle3"):

@@ -1,0 +1,318 @@
+// Few-row float32 matmuls for decoding on x86-64 CPUs with AVX-512 (an XLA FFI custom call).
+//
+// Decoding multiplies a handful of rows (one token, or a draft tree of a few tokens) by every
+// weight matrix of the model. XLA:CPU's GEMM packs the weight matrix on every call, so a 4-row
+// product costs about twice a 1-row one although both read the same weights. These kernels stream
+// each weight once, straight from memory, and keep the few rows' partial sums in registers or L1:
+// a product of up to 8 rows costs little more than reading the weights.
+//
+//   eagle_jax_matmul_kn: y[M, N] = x[M, K] @ w[K, N]   (Flax `Dense` kernels)
+//   eagle_jax_matmul_nk: y[M, N] = x[M, K] @ w[N, K]^T (tied embeddings used as the LM head)
+//   eagle_jax_matmul_q4_1 / _q8_0: the same with w as GGUF Q4_1 / Q8_0 rows (uint8 [N, K/32 * 20|34]),
+//     dequantised in registers: a step reads ~100 MB of SmolLM2's weights instead of 540 MB.
+//
+// Every output is summed over k in one fixed order whatever M is and whichever rows share a
+// call, so one token's logits do not depend on how many tokens were verified with it.
+// Work is split over the columns of y across XLA's intra-op thread pool; chunks are claimed from
+// an atomic counter, so the calling thread never waits on a task that has not started.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------- kn: y = x @ w, w [K, N]
+// y[t, n0:n1] lives in L1; 4 (or 2) rows of w are streamed at a time, each contiguous.
+template <int T, int KB>
+void kn_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t width = n1 - n0;
+  const int64_t vec_end = n0 + (width / 16) * 16;
+  const __mmask16 tail_mask = (__mmask16)((1u << (width % 16)) - 1u);
+  for (int64_t t = 0; t < T; ++t) std::fill(y + t * N + n0, y + t * N + n1, 0.0f);
+  int64_t k = 0;
+  for (; k + KB <= K; k += KB) {
+    __m512 bx[T][KB];
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < KB; ++j) bx[t][j] = _mm512_set1_ps(x[t * K + k + j]);
+    const float* wk = w + k * N;
+    int64_t n = n0;
+    for (; n < vec_end; n += 16) {
+      __m512 wv[KB];
+      for (int j = 0; j < KB; ++j) wv[j] = _mm512_loadu_ps(wk + j * N + n);
+      for (int t = 0; t < T; ++t) {
+        __m512 acc = _mm512_loadu_ps(y + t * N + n);
+        for (int j = 0; j < KB; ++j) acc = _mm512_fmadd_ps(bx[t][j], wv[j], acc);
+        _mm512_storeu_ps(y + t * N + n, acc);
+      }
+    }
+    if (n < n1) {
+      __m512 wv[KB];
+      for (int j = 0; j < KB; ++j) wv[j] = _mm512_maskz_loadu_ps(tail_mask, wk + j * N + n);
+      for (int t = 0; t < T; ++t) {
+        __m512 acc = _mm512_maskz_loadu_ps(tail_mask, y + t * N + n);
+        for (int j = 0; j < KB; ++j) acc = _mm512_fmadd_ps(bx[t][j], wv[j], acc);
+        _mm512_mask_storeu_ps(y + t * N + n, tail_mask, acc);
+      }
+    }
+  }
+  for (; k < K; ++k)  // K not a multiple of KB: one row at a time, same order of sums
+    for (int t = 0; t < T; ++t) {
+      const float xv = x[t * K + k];
+      for (int64_t n = n0; n < n1; ++n) y[t * N + n] = std::fma(xv, w[k * N + n], y[t * N + n]);
+    }
+}
+
+// ---------------------------------------------------------------- nk: y = x @ w^T, w [N, K]
+// R rows of w at a time against all T rows of x; 16-lane partial sums reduced at the end.
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+template <int T, int R>
+void nk_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t kvec = (K / 16) * 16;
+  const __mmask16 tail_mask = (__mmask16)((1u << (K % 16)) - 1u);
+  int64_t n = n0;
+  for (; n < n1; n += R) {
+    const int rows = (int)std::min<int64_t>(R, n1 - n);
+    __m512 acc[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+    const float* wn = w + n * K;
+    if (rows == R) {
+      for (int64_t k = 0; k < kvec; k += 16) {
+        __m512 wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(wn + r * K + k);
+        for (int t = 0; t < T; ++t) {
+          const __m512 xv = _mm512_loadu_ps(x + t * K + k);
+          for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+        }
+      }
+      if (kvec < K) {
+        __m512 wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail_mask, wn + r * K + kvec);
+        for (int t = 0; t < T; ++t) {
+          const __m512 xv = _mm512_maskz_loadu_ps(tail_mask, x + t * K + kvec);
+          for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+        }
+      }
+    } else {  // the last few rows of a chunk: same sums, one row at a time
+      for (int r = 0; r < rows; ++r) {
+        for (int64_t k = 0; k < kvec; k += 16) {
+          const __m512 wv = _mm512_loadu_ps(wn + r * K + k);
+          for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + k), wv, acc[t][r]);
+        }
+        if (kvec < K) {
+          const __m512 wv = _mm512_maskz_loadu_ps(tail_mask, wn + r * K + kvec);
+          for (int t = 0; t < T; ++t)
+            acc[t][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, x + t * K + kvec), wv, acc[t][r]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(acc[t][r]);
+  }
+}
+
+// ---------------------------------------------------------------- quantized nk: GGUF Q4_1 / Q8_0 rows
+// w is [N, K/32 blocks] in ggml's block layout. Each 32-weight block is dequantised in registers
+// exactly as gguf-py's numpy dequantiser does it (Q4_1: (d * q) + m, Q8_0: q * d, float32, no FMA)
+// and then multiplied like the float32 nk kernel (lane l sums k = l, l + 16, ... in order), so the
+// result is the float32 product with the dequantised matrix while reading 5 (Q4_1) or 8.5 (Q8_0)
+// bits per weight instead of 32.
+constexpr int64_t kQ41Bytes = 20;  // f16 d, f16 m, 16 bytes of nibbles (weights j and j + 16)
+constexpr int64_t kQ80Bytes = 34;  // f16 d, 32 int8
+
+inline __m512 f16_bcast(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _mm512_set1_ps(_cvtsh_ss(h));
+}
+
+template <bool Q4>
+inline void dequant_block(const uint8_t* blk, __m512& lo, __m512& hi) {
+  const __m512 d = f16_bcast(blk);
+  if (Q4) {
+    const __m512 m = f16_bcast(blk + 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+    const __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+    lo = _mm512_add_ps(_mm512_mul_ps(d, ql), m);
+    hi = _mm512_add_ps(_mm512_mul_ps(d, qh), m);
+  } else {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+  }
+}
+
+template <bool Q4, int T>
+void q_block(const float* x, const float* w_as_float, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);  // BlockFn's signature; really bytes
+  constexpr int R = 4;
+  constexpr int64_t B = Q4 ? kQ41Bytes : kQ80Bytes;
+  const int64_t nb = K / 32, row_bytes = nb * B;
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rows = (int)std::min<int64_t>(R, n1 - n);
+    __m512 acc[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+    const uint8_t* wn = w + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 xl[T], xh[T];
+      for (int t = 0; t < T; ++t) {
+        xl[t] = _mm512_loadu_ps(x + t * K + 32 * b);
+        xh[t] = _mm512_loadu_ps(x + t * K + 32 * b + 16);
+      }
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        __m512 lo, hi;
+        dequant_block<Q4>(wn + r * row_bytes + b * B, lo, hi);
+        for (int t = 0; t < T; ++t) {
+          acc[t][r] = _mm512_fmadd_ps(xl[t], lo, acc[t][r]);
+          acc[t][r] = _mm512_fmadd_ps(xh[t], hi, acc[t][r]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(acc[t][r]);
+  }
+}
+
+// ---------------------------------------------------------------- dispatch over rows and threads
+using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+
+BlockFn kn_fn(int t) {
+  switch (t) {
+    case 1: return kn_block<1, 4>;
+    case 2: return kn_block<2, 4>;
+    case 3: return kn_block<3, 4>;
+    case 4: return kn_block<4, 4>;
+    case 5: return kn_block<5, 2>;
+    case 6: return kn_block<6, 2>;
+    case 7: return kn_block<7, 2>;
+    default: return kn_block<8, 2>;
+  }
+}
+
+template <bool Q4>
+BlockFn q_fn(int t) {
+  switch (t) {
+    case 1: return q_block<Q4, 1>;
+    case 2: return q_block<Q4, 2>;
+    case 3: return q_block<Q4, 3>;
+    default: return q_block<Q4, 4>;
+  }
+}
+
+BlockFn nk_fn(int t) {
+  switch (t) {
+    case 1: return nk_block<1, 4>;
+    case 2: return nk_block<2, 4>;
+    case 3: return nk_block<3, 4>;
+    case 4: return nk_block<4, 4>;
+    case 5: return nk_block<5, 2>;
+    case 6: return nk_block<6, 2>;
+    case 7: return nk_block<7, 2>;
+    default: return nk_block<8, 2>;
+  }
+}
+
+enum class Kind { kKN, kNK, kQ41, kQ80 };
+
+struct Job {
+  const float* x;
+  const void* w;
+  float* y;
+  int64_t M, K, N, chunk, chunks;
+  Kind kind;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run_chunk(int64_t c) {
+    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+    const bool quant = kind == Kind::kQ41 || kind == Kind::kQ80;
+    const int64_t group = quant ? 4 : 8;  // rows of x per pass over the weights
+    for (int64_t m0 = 0; m0 < M; m0 += group) {
+      const int t = (int)std::min<int64_t>(group, M - m0);
+      BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t)
+                : kind == Kind::kQ41 ? q_fn<true>(t) : q_fn<false>(t);
+      f(x + m0 * K, static_cast<const float*>(w), y + m0 * N, K, N, n0, n1);
+    }
+  }
+  void work() {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+      run_chunk(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// y[M, N] with N split into chunks claimed from an atomic counter by the caller and pool tasks.
+void Run(ffi::ThreadPool& pool, const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N,
+         Kind kind) {
+  auto job = std::make_shared<Job>();
+  job->x = x; job->w = w; job->y = y;
+  job->M = M; job->K = K; job->N = N; job->kind = kind;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t align = kind == Kind::kKN ? 16 : 4;
+  const int64_t chunks = std::min<int64_t>(2 * threads, std::max<int64_t>(1, N / 256));
+  int64_t chunk = (N + chunks - 1) / chunks;
+  chunk = (chunk + align - 1) / align * align;
+  job->chunk = chunk;
+  job->chunks = (N + chunk - 1) / chunk;
+  for (int64_t i = 1; i < std::min(threads, job->chunks); ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::ResultBuffer<ffi::F32> y, bool nk) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("x and w must be 2-D");
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t N = nk ? wd[0] : wd[1];
+  if ((nk ? wd[1] : wd[0]) != K) return ffi::Error::InvalidArgument("x and w disagree on K");
+  Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N, nk ? Kind::kNK : Kind::kKN);
+  return ffi::Error::Success();
+}
+
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                   ffi::ResultBuffer<ffi::F32> y, bool q4) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("x and w must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (K % 32 || wd[1] != K / 32 * (q4 ? kQ41Bytes : kQ80Bytes))
+    return ffi::Error::InvalidArgument("quantized rows do not hold K / 32 blocks");
+  Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N, q4 ? Kind::kQ41 : Kind::kQ80);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define EAGLE_F32_HANDLER(NAME, NK)                                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, [](ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,               \
+                                         ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {     \
+    return Matmul(pool, x, w, y, NK);                                                                \
+  }, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>() \
+         .Ret<ffi::Buffer<ffi::F32>>())
+
+#define EAGLE_Q_HANDLER(NAME, Q4)                                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, [](ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,               \
+                                         ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {      \
+    return QMatmul(pool, x, w, y, Q4);                                                               \
+  }, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()  \
+         .Ret<ffi::Buffer<ffi::F32>>())
+
+EAGLE_F32_HANDLER(EagleMatmulKN, false);
+EAGLE_F32_HANDLER(EagleMatmulNK, true);
+EAGLE_Q_HANDLER(EagleMatmulQ41, true);
+EAGLE_Q_HANDLER(EagleMatmulQ80, false);

@@ -1,0 +1,159 @@
+"""Few-row float32 matmuls on x86-64 CPUs: an AVX-512 XLA custom call, built on first use.
+
+XLA:CPU's GEMM repacks the weight matrix on every call, so on a CPU a 4-token tree verification
+costs far more than a 1-token decoding step although both read the same weights. `cpu_matmul.cc`
+streams each weight matrix once for up to 8 rows at a time (see its header). This module compiles
+it with the system's C++ compiler into a per-user cache (keyed by the source, the compiler flags
+and jaxlib's version), registers it with `jax.ffi`, and exposes `matmul`.
+
+`available()` says whether the kernel can run here (x86-64 with AVX-512F, a C++ compiler, a
+successful build); `matmul` is only called by the decoder when the model config asks for
+`matmul_impl="cpu_kernel"`, which `resolve_matmul_impl("auto")` picks on such a CPU. The kernel
+has no gradient and no batching rule: it is an inference path (training keeps XLA's matmuls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+_TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",
+            "q8_0": "eagle_jax_matmul_q8_0"}
+_SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ41", "q8_0": "EagleMatmulQ80"}
+QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per 32 weights (ggml block layouts)
+MAX_ROWS = 16  # above this XLA's GEMM is as fast (measured on a 2-core Xeon: 16 rows break even)
+MATMUL_IMPLS = ("xla", "cpu_kernel")
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_has_avx512() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512dq" in flags
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle_jax")
+    return Path(root) / "kernels"
+
+
+def _build() -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + cxx.encode() + jaxlib.__version__.encode()
+                         + platform.node().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_matmul_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", str(tmp)]
+    log.info("building the CPU matmul kernel: %s", " ".join(cmd))
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"building {_SOURCE.name} failed:\n{res.stderr[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _load() -> bool:
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        try:
+            if os.environ.get("EAGLE_JAX_NO_CPU_KERNEL"):
+                raise RuntimeError("disabled by EAGLE_JAX_NO_CPU_KERNEL")
+            if not _cpu_has_avx512():
+                raise RuntimeError("this CPU has no AVX-512")
+            lib = ctypes.cdll.LoadLibrary(str(_build()))
+            for kind, name in _TARGETS.items():
+                jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOLS[kind])), platform="cpu")
+            _state.update(ok=True, lib=lib)
+        except Exception as e:  # no compiler, no AVX-512, a failed build: XLA's matmuls are used
+            _state.update(ok=False, why=str(e))
+            log.info("CPU matmul kernel unavailable: %s", e)
+        return _state["ok"]
+
+
+def available() -> bool:
+    """True when the AVX-512 kernel is built and registered (builds it on the first call)."""
+    return _load()
+
+
+def unavailable_reason() -> str:
+    _load()
+    return _state.get("why", "")
+
+
+def resolve_matmul_impl(impl: str = "auto") -> str:
+    """"auto" → "cpu_kernel" when JAX runs on the CPU and the kernel is available, else "xla"."""
+    if impl == "auto":
+        return "cpu_kernel" if jax.default_backend() == "cpu" and available() else "xla"
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS} or 'auto', got {impl!r}")
+    if impl == "cpu_kernel" and not available():
+        raise RuntimeError(f"matmul_impl='cpu_kernel' asked for, but the kernel is unavailable: "
+                           f"{unavailable_reason()}")
+    return impl
+
+
+def matmul(x: jax.Array, w: jax.Array, layout: str = "kn") -> jax.Array:
+    """x[..., K] @ w ("kn": w is [K, N]; "nk": w is [N, K], i.e. x @ w.T) in float32 → [..., N].
+
+    Uses the custom call for float32 operands with at most `MAX_ROWS` rows when it is available,
+    XLA's dot otherwise (any dtype, any row count: the two agree to float32 rounding)."""
+    k = x.shape[-1]
+    n = w.shape[1] if layout == "kn" else w.shape[0]
+    if (w.shape[0] if layout == "kn" else w.shape[1]) != k:
+        raise ValueError(f"matmul: x has K={k}, w {tuple(w.shape)} ({layout})")
+    lead = x.shape[:-1]
+    m = 1
+    for d in lead:
+        m *= d
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or m > MAX_ROWS or m == 0 or not available():
+        spec = "...k,kn->...n" if layout == "kn" else "...k,nk->...n"
+        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    call = jax.ffi.ffi_call(_TARGETS[layout], jax.ShapeDtypeStruct((m, n), jnp.float32))
+    return call(x.reshape(m, k), w).reshape(*lead, n)
+
+
+def qmatmul(x: jax.Array, blocks: jax.Array, kind: str) -> jax.Array:
+    """x[..., K] @ dequantize(blocks).T in float32 → [..., N]; `blocks` are GGUF rows (uint8
+    [N, K/32 * bytes], `kind` "q4_1" or "q8_0"). Only through the custom call (check `available()`);
+    at most `MAX_ROWS` rows (the caller uses the float32 weights for more)."""
+    if kind not in QUANT_BLOCK_BYTES:
+        raise ValueError(f"qmatmul: kind must be one of {tuple(QUANT_BLOCK_BYTES)}, got {kind!r}")
+    k = x.shape[-1]
+    n = blocks.shape[0]
+    if blocks.dtype != jnp.uint8 or k % 32 or blocks.shape[1] != k // 32 * QUANT_BLOCK_BYTES[kind]:
+        raise ValueError(f"qmatmul: {kind} rows {tuple(blocks.shape)} {blocks.dtype} do not fit K={k}")
+    lead = x.shape[:-1]
+    m = 1
+    for d in lead:
+        m *= d
+    call = jax.ffi.ffi_call(_TARGETS[kind], jax.ShapeDtypeStruct((m, n), jnp.float32))
+    return call(x.reshape(m, k).astype(jnp.float32), blocks).reshape(*lead, n)

@@ -1,0 +1,122 @@
+"""GGUF quantized blocks next to the float32 weights, for the CPU decoding kernel.
+
+A GGUF model is converted once into float32 Hugging Face weights (`gguf_loader.py`); those are
+what every path computes with. On an AVX-512 CPU (`ModelConfig.matmul_impl == "cpu_kernel"`)
+decoding is bound by reading the weights, so `attach_gguf_blocks` also keeps the file's own
+Q4_1 / Q8_0 blocks of every linear layer and of the embedding (uint8 rows, 5 and 8.5 bits a
+weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,
+`params["embed_tokens"]["q8_0"]` next to `["embedding"]`. The kernel dequantises them in
+registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
+equals the float32 kernel's product with the converted weights bit for bit; products of more than
+`cpu_matmul.MAX_ROWS` rows (prefill chunks) use the float32 weights.
+
+Each attached tensor is checked against its float32 counterpart (dequantised and compared
+exactly); a mismatch (a stale conversion, a different file) raises and names the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..kernels.cpu_matmul import QUANT_BLOCK_BYTES
+from .config import ModelConfig
+from .gguf_loader import GGUFModel, _unpermute_rows
+
+_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+            ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+class QuantizedLayoutError(ValueError):
+    """GGUF blocks that do not reproduce the loaded float32 weights."""
+
+
+def _blocks(model: GGUFModel, hf_name: str, cfg: ModelConfig) -> Optional[tuple[str, np.ndarray]]:
+    """(kind, uint8 rows [N, K/32 * bytes]) of one HF weight [N, K], or None if its type has no kernel."""
+    kind = model.tensor_type(hf_name).lower()
+    if kind not in QUANT_BLOCK_BYTES:
+        return None
+    n, k = model.hf_shape(hf_name)
+    if k % 32:
+        return None
+    t = model._tensors[hf_name]
+    rows = np.asarray(t.data).reshape(n, k // 32 * QUANT_BLOCK_BYTES[kind])
+    if model.architecture == "llama":  # the converter un-permutes q/k rows; blocks sit inside rows
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            rows = _unpermute_rows(rows, cfg.num_heads)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            rows = _unpermute_rows(rows, cfg.num_kv_heads)
+    return kind, np.ascontiguousarray(rows)
+
+
+def _dequantize_rows(kind: str, rows: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(rows, GGMLQuantizationType[kind.upper()]).astype(np.float32)
+
+
+def _check(name: str, kind: str, rows: np.ndarray, want_nk: np.ndarray) -> None:
+    got = _dequantize_rows(kind, rows)
+    if got.shape != want_nk.shape or not np.array_equal(got, want_nk):
+        raise QuantizedLayoutError(f"GGUF {kind} blocks of {name!r} do not reproduce the loaded float32 weights "
+                                   f"(shape {got.shape} vs {want_nk.shape}); the converted model is stale or "
+                                   f"from another file")
+
+
+def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *, check: str = "all",
+                       log: Optional[Callable[[str], None]] = None):
+    """`params` (stacked layers, as `load_hf_dir` returns them) with the GGUF's quantized blocks
+    added beside every float32 weight they reproduce. check: "all" (every tensor), "first"
+    (layer 0 and the embedding) or "none". Returns a new dict; the input is not modified."""
+    t0 = time.perf_counter()
+    model = GGUFModel(gguf_path)
+    out = dict(params)
+    layers = {k: dict(v) for k, v in params["layers"].items()}
+    n_bytes = 0
+    for group, name in _LINEARS:
+        per_layer = []
+        for i in range(cfg.num_layers):
+            hf = f"model.layers.{i}.{group}.{name}.weight"
+            got = _blocks(model, hf, cfg)
+            if got is None:
+                per_layer = None
+                break
+            kind, rows = got
+            if check == "all" or (check == "first" and i == 0):
+                _check(hf, kind, rows, np.asarray(params["layers"][group][name]["kernel"][i]).T)
+            per_layer.append((kind, rows))
+        if not per_layer or len({k for k, _ in per_layer}) != 1:
+            continue  # unquantized, or mixed types across layers: the float32 path
+        kind = per_layer[0][0]
+        sub = dict(layers[group])
+        sub[name] = dict(sub[name], **{kind: jnp.asarray(np.stack([r for _, r in per_layer]))})
+        layers[group] = sub
+        n_bytes += sum(r.nbytes for _, r in per_layer)
+    out["layers"] = layers
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    got = _blocks(model, head, cfg) if head in model._tensors else None
+    if got is not None:
+        kind, rows = got
+        key = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        want = params[key]["embedding"] if cfg.tie_word_embeddings else np.asarray(params[key]["kernel"]).T
+        if check in ("all", "first"):
+            _check(head, kind, rows, np.asarray(want))
+        out[key] = dict(params[key], **{kind: jnp.asarray(rows)})
+        n_bytes += rows.nbytes
+    if log:
+        log(f"attached {n_bytes / 2**20:.0f} MiB of GGUF blocks from {os.path.basename(str(gguf_path))} "
+            f"in {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+def quant_kind(variables: dict) -> Optional[str]:
+    """The quantized-block entry of one linear layer's params, if any ("q4_1" / "q8_0")."""
+    for kind in QUANT_BLOCK_BYTES:
+        if kind in variables:
+            return kind
+    return None

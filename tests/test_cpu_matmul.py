@@ -1,0 +1,170 @@
+"""The AVX-512 few-row matmul (kernels/cpu_matmul) and the GGUF blocks it reads (models/quantized):
+products equal float64 references to float32 rounding; each row's result does not depend on the
+other rows of the call; the quantized products equal the float32 kernel on the dequantised
+weights bit for bit; a model decoding through them stays lossless (speculative greedy == plain
+greedy) and agrees with XLA's float32 matmuls."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax.kernels import cpu_matmul as cm
+from eagle_jax.models.checkpoint import load_hf_dir
+from eagle_jax.models.decoder import forward, lm_logits, unstack_layers
+from eagle_jax.models.gguf_loader import convert_gguf_to_hf_dir
+from eagle_jax.models.quantized import QuantizedLayoutError, attach_gguf_blocks
+from gguf import GGMLQuantizationType, quants
+from gguf_util import tiny_config, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not cm.available(), reason=f"CPU matmul kernel unavailable: {cm.unavailable_reason()}")
+
+
+def _jit(fn):
+    return jax.jit(fn)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("k,n", [(40, 37), (256, 100), (1536, 20)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 16])
+def test_f32_kernel_matches_float64(layout, k, n, m):
+    rng = np.random.default_rng(k * 1000 + n + m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n) if layout == "kn" else (n, k)).astype(np.float32)
+    got = np.asarray(_jit(lambda x, w: cm.matmul(x, w, layout))(x, w))
+    ref = x.astype(np.float64) @ (w if layout == "kn" else w.T).astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_each_row_is_independent_of_the_others(layout):
+    """A verification pass (many rows) and a decode step (one row) give the same bits per row."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((11, 576)).astype(np.float32)
+    w = rng.standard_normal((576, 300) if layout == "kn" else (300, 576)).astype(np.float32)
+    f = _jit(lambda x, w: cm.matmul(x, w, layout))
+    whole = np.asarray(f(x, w))
+    for i in range(len(x)):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], whole[i])
+    np.testing.assert_array_equal(np.asarray(f(x[2:7], w)), whole[2:7])
+
+
+def test_batched_leading_dims_and_fallback_above_max_rows():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    for shape in [(2, 3, 64), (1, cm.MAX_ROWS + 4, 64)]:  # 6 rows: kernel; 20 rows: XLA's dot
+        x = rng.standard_normal(shape).astype(np.float32)
+        got = np.asarray(_jit(lambda x, w: cm.matmul(x, w))(x, w))
+        assert got.shape == shape[:-1] + (48,)
+        np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="K=64"):
+        cm.matmul(jnp.zeros((1, 64)), jnp.zeros((32, 8)))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 16])
+def test_quantized_equals_f32_kernel_on_dequantized_bit_for_bit(kind, m):
+    rng = np.random.default_rng(m)
+    n, k = 45, 256  # 45 rows: a chunk ends inside a 4-row group
+    qt = GGMLQuantizationType[kind.upper()]
+    blocks = quants.quantize((0.05 * rng.standard_normal((n, k))).astype(np.float32), qt)
+    assert blocks.shape == (n, k // 32 * cm.QUANT_BLOCK_BYTES[kind])
+    deq = quants.dequantize(blocks, qt).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = np.asarray(_jit(lambda x, b: cm.qmatmul(x, b, kind))(x, blocks))
+    want = np.asarray(_jit(lambda x, w: cm.matmul(x, w, "nk"))(x, deq))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T.astype(np.float64), rtol=0, atol=1e-4)
+
+
+def test_quantized_rejects_mismatched_blocks():
+    with pytest.raises(ValueError, match="q4_1 rows"):
+        cm.qmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 30), jnp.uint8), "q4_1")
+    with pytest.raises(ValueError, match="kind"):
+        cm.qmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 40), jnp.uint8), "q5_0")
+
+
+# ------------------------------------------------------------------ a tiny GGUF model through the kernel
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    cfg = tiny_config("llama", tied=True)
+    types = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(cfg.num_layers) for n in LINEARS}
+    types["model.embed_tokens.weight"] = "Q8_0"
+    d = tmp_path_factory.mktemp("qgguf")
+    write_tiny_gguf(d / "m.gguf", cfg, types, seed=3)
+    write_tiny_gguf(d / "other.gguf", cfg, types, seed=4)
+    convert_gguf_to_hf_dir(d / "m.gguf", d / "hf", progress=False)
+    cfg, params = load_hf_dir(d / "hf")
+    return d, cfg, params
+
+
+def test_blocks_attach_beside_every_linear_and_the_embedding(tiny_gguf):
+    d, cfg, params = tiny_gguf
+    qp = attach_gguf_blocks(params, cfg, d / "m.gguf")
+    for n in LINEARS:
+        group, name = n.split(".")
+        blk = qp["layers"][group][name]["q4_1"]
+        kernel = params["layers"][group][name]["kernel"]  # [L, K, N]
+        assert blk.dtype == jnp.uint8 and blk.shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 32 * 20)
+    assert qp["embed_tokens"]["q8_0"].shape == (cfg.vocab_size, cfg.hidden_size // 32 * 34)
+    assert "q4_1" not in params["layers"]["mlp"]["up_proj"]  # the input is left alone
+
+
+def test_blocks_from_another_file_are_rejected_by_name(tiny_gguf):
+    d, cfg, params = tiny_gguf
+    with pytest.raises(QuantizedLayoutError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
+        attach_gguf_blocks(params, cfg, d / "other.gguf")
+
+
+def _decode(fn_params, cfg, prompts, max_new, **kw):
+    from eagle_jax.decoding import generate_tokens, pack_prompts
+    from eagle_jax.sampling import SamplingParams
+    from eagle_jax.speculative import speculative_generate
+
+    toks, lens = pack_prompts(prompts, 64)
+    head = kw.pop("head", None)
+    args = (jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new), jnp.asarray([-1], jnp.int32),
+            SamplingParams.create(len(prompts)), jax.random.PRNGKey(0))
+    if head is None:
+        out = generate_tokens(fn_params, cfg, *args, prefill_chunk=16)
+    else:
+        out = speculative_generate(fn_params, cfg, head, *args, prefill_chunk=16, **kw)
+    return np.asarray(out.tokens), lens
+
+
+def test_model_through_blocks_matches_xla_and_stays_lossless(tiny_gguf):
+    from eagle_jax.draft import DraftConfig, TreeBudget, init_head
+
+    d, cfg, params = tiny_gguf
+    kcfg = dataclasses.replace(cfg, matmul_impl="cpu_kernel")
+    qparams = unstack_layers(attach_gguf_blocks(params, kcfg, d / "m.gguf"))
+    xparams = unstack_layers(params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 6)), jnp.int32)
+
+    def logits(c, p):
+        return lm_logits(p, c, forward(p, c, tokens).hidden)
+
+    want = np.asarray(jax.jit(logits, static_argnums=0)(cfg, xparams))
+    got = np.asarray(jax.jit(logits, static_argnums=0)(kcfg, qparams))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    broken = jax.tree.map(lambda a: a, qparams)  # the products really read the blocks:
+    mlp0 = broken["layers"][0]["mlp"]
+    broken["layers"][0]["mlp"] = dict(mlp0, up_proj=dict(mlp0["up_proj"], q4_1=jnp.zeros_like(mlp0["up_proj"]["q4_1"])))
+    assert not np.allclose(np.asarray(jax.jit(logits, static_argnums=0)(kcfg, broken)), got, atol=1e-3)
+
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    plain_x, lens = _decode(xparams, cfg, prompts, 24)
+    plain_k, _ = _decode(qparams, kcfg, prompts, 24)
+    head = init_head(DraftConfig.for_target("eagle3", kcfg, draft_vocab_size=cfg.vocab_size, target_layers=(0, 1, 2)),
+                     jax.random.PRNGKey(5))
+    spec_k, _ = _decode(qparams, kcfg, prompts, 24, head=head,
+                        budget=TreeBudget("dynamic", total_tokens=6, depth=3, top_k=3))
+    for r, n in enumerate(lens):
+        assert list(spec_k[r, n:n + 24]) == list(plain_k[r, n:n + 24])  # lossless under the kernel
+        assert list(plain_k[r, n:n + 24]) == list(plain_x[r, n:n + 24])  # and the same text as XLA's f32
