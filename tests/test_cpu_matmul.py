@@ -77,11 +77,16 @@ def test_quantized_equals_f32_kernel_on_dequantized_bit_for_bit(kind, m):
     want = np.asarray(_jit(lambda x, w: cm.matmul(x, w, "nk"))(x, deq))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T.astype(np.float64), rtol=0, atol=1e-4)
+    scales = cm.block_scales(blocks, kind)  # precomputed once at load (numpy), as the engine does
+    pre = np.asarray(_jit(lambda x, b, s: cm.qmatmul(x, b, kind, s))(x, blocks, scales))
+    np.testing.assert_array_equal(pre, got)
 
 
 def test_quantized_rejects_mismatched_blocks():
     with pytest.raises(ValueError, match="q4_1 rows"):
         cm.qmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 30), jnp.uint8), "q4_1")
+    with pytest.raises(ValueError, match="scales"):
+        cm.qmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 40), jnp.uint8), "q4_1", jnp.zeros((8, 2)))
     with pytest.raises(ValueError, match="kind"):
         cm.qmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 40), jnp.uint8), "q5_0")
 
@@ -112,6 +117,7 @@ def test_blocks_attach_beside_every_linear_and_the_embedding(tiny_gguf):
         blk = qp["layers"][group][name]["q4_1"]
         kernel = params["layers"][group][name]["kernel"]  # [L, K, N]
         assert blk.dtype == jnp.uint8 and blk.shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 32 * 20)
+        assert qp["layers"][group][name]["q4_1_scales"].shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 16)
     assert qp["embed_tokens"]["q8_0"].shape == (cfg.vocab_size, cfg.hidden_size // 32 * 34)
     assert "q4_1" not in params["layers"]["mlp"]["up_proj"]  # the input is left alone
 

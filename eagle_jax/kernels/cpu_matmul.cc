@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
@@ -32,7 +33,7 @@ namespace {
 // ---------------------------------------------------------------- kn: y = x @ w, w [K, N]
 // y[t, n0:n1] lives in L1; 4 (or 2) rows of w are streamed at a time, each contiguous.
 template <int T, int KB>
-void kn_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void kn_block(const float* x, const float* w, const float*, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t width = n1 - n0;
   const int64_t vec_end = n0 + (width / 16) * 16;
   const __mmask16 tail_mask = (__mmask16)((1u << (width % 16)) - 1u);
@@ -75,7 +76,7 @@ void kn_block(const float* x, const float* w, float* y, int64_t K, int64_t N, in
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 template <int T, int R>
-void nk_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void nk_block(const float* x, const float* w, const float*, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t kvec = (K / 16) * 16;
   const __mmask16 tail_mask = (__mmask16)((1u << (K % 16)) - 1u);
   int64_t n = n0;
@@ -129,36 +130,32 @@ void nk_block(const float* x, const float* w, float* y, int64_t K, int64_t N, in
 constexpr int64_t kQ41Bytes = 20;  // f16 d, f16 m, 16 bytes of nibbles (weights j and j + 16)
 constexpr int64_t kQ80Bytes = 34;  // f16 d, 32 int8
 
-inline __m512 f16_bcast(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-  return _mm512_set1_ps(_cvtsh_ss(h));
+// Q4_1: w = d * q + m; Q8_0: w = q * d. The scales come as float32 (converted from the blocks'
+// float16 once, at load), read with embedded broadcasts. d times a 4- or 8-bit q is exact in
+// float32, so the fused multiply-add rounds exactly as gguf's numpy `(d * q) + m` does: the
+// kernel multiplies by the same float32 weights as the converted checkpoint holds.
+inline void q41_block(const uint8_t* blk, const float* sc, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(sc[0]), m = _mm512_set1_ps(sc[1]);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask))), m);
+  hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask))), m);
 }
 
-template <bool Q4>
-inline void dequant_block(const uint8_t* blk, __m512& lo, __m512& hi) {
-  const __m512 d = f16_bcast(blk);
-  if (Q4) {
-    const __m512 m = f16_bcast(blk + 2);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-    const __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
-    lo = _mm512_add_ps(_mm512_mul_ps(d, ql), m);
-    hi = _mm512_add_ps(_mm512_mul_ps(d, qh), m);
-  } else {
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-  }
+inline void q80_block(const uint8_t* blk, const float* sc, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(sc[0]);
+  lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))), d);
+  hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))), d);
 }
 
+// T rows of x (up to 8) against R rows of w per pass: each block is dequantised once per call.
 template <bool Q4, int T>
-void q_block(const float* x, const float* w_as_float, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void q_block(const float* x, const float* w_as_float, const float* scales, float* y, int64_t K, int64_t N,
+             int64_t n0, int64_t n1) {
   const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);  // BlockFn's signature; really bytes
-  constexpr int R = 4;
+  constexpr int R = T <= 4 ? 4 : 2;
   constexpr int64_t B = Q4 ? kQ41Bytes : kQ80Bytes;
+  constexpr int64_t S = Q4 ? 2 : 1;  // float32 scales per block: (d, m) or d
   const int64_t nb = K / 32, row_bytes = nb * B;
   for (int64_t n = n0; n < n1; n += R) {
     const int rows = (int)std::min<int64_t>(R, n1 - n);
@@ -166,19 +163,16 @@ void q_block(const float* x, const float* w_as_float, float* y, int64_t K, int64
     for (int t = 0; t < T; ++t)
       for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
     const uint8_t* wn = w + n * row_bytes;
+    const float* sn = scales + n * nb * S;
     for (int64_t b = 0; b < nb; ++b) {
-      __m512 xl[T], xh[T];
-      for (int t = 0; t < T; ++t) {
-        xl[t] = _mm512_loadu_ps(x + t * K + 32 * b);
-        xh[t] = _mm512_loadu_ps(x + t * K + 32 * b + 16);
-      }
       for (int r = 0; r < R; ++r) {
         if (r >= rows) break;
         __m512 lo, hi;
-        dequant_block<Q4>(wn + r * row_bytes + b * B, lo, hi);
+        if (Q4) q41_block(wn + r * row_bytes + b * B, sn + (r * nb + b) * S, lo, hi);
+        else q80_block(wn + r * row_bytes + b * B, sn + (r * nb + b) * S, lo, hi);
         for (int t = 0; t < T; ++t) {
-          acc[t][r] = _mm512_fmadd_ps(xl[t], lo, acc[t][r]);
-          acc[t][r] = _mm512_fmadd_ps(xh[t], hi, acc[t][r]);
+          acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + 32 * b), lo, acc[t][r]);
+          acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + 32 * b + 16), hi, acc[t][r]);
         }
       }
     }
@@ -188,7 +182,7 @@ void q_block(const float* x, const float* w_as_float, float* y, int64_t K, int64
 }
 
 // ---------------------------------------------------------------- dispatch over rows and threads
-using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+using BlockFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 
 BlockFn kn_fn(int t) {
   switch (t) {
@@ -209,7 +203,11 @@ BlockFn q_fn(int t) {
     case 1: return q_block<Q4, 1>;
     case 2: return q_block<Q4, 2>;
     case 3: return q_block<Q4, 3>;
-    default: return q_block<Q4, 4>;
+    case 4: return q_block<Q4, 4>;
+    case 5: return q_block<Q4, 5>;
+    case 6: return q_block<Q4, 6>;
+    case 7: return q_block<Q4, 7>;
+    default: return q_block<Q4, 8>;
   }
 }
 
@@ -231,6 +229,7 @@ enum class Kind { kKN, kNK, kQ41, kQ80 };
 struct Job {
   const float* x;
   const void* w;
+  const float* scales;
   float* y;
   int64_t M, K, N, chunk, chunks;
   Kind kind;
@@ -239,13 +238,12 @@ struct Job {
 
   void run_chunk(int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-    const bool quant = kind == Kind::kQ41 || kind == Kind::kQ80;
-    const int64_t group = quant ? 4 : 8;  // rows of x per pass over the weights
+    const int64_t group = 8;  // rows of x per pass over the weights
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const int t = (int)std::min<int64_t>(group, M - m0);
       BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t)
                 : kind == Kind::kQ41 ? q_fn<true>(t) : q_fn<false>(t);
-      f(x + m0 * K, static_cast<const float*>(w), y + m0 * N, K, N, n0, n1);
+      f(x + m0 * K, static_cast<const float*>(w), scales, y + m0 * N, K, N, n0, n1);
     }
   }
   void work() {
@@ -257,14 +255,20 @@ struct Job {
 };
 
 // y[M, N] with N split into chunks claimed from an atomic counter by the caller and pool tasks.
-void Run(ffi::ThreadPool& pool, const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N,
-         Kind kind) {
+void Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scales, float* y, int64_t M, int64_t K,
+         int64_t N, Kind kind) {
   auto job = std::make_shared<Job>();
-  job->x = x; job->w = w; job->y = y;
+  job->x = x; job->w = w; job->scales = scales; job->y = y;
   job->M = M; job->K = K; job->N = N; job->kind = kind;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  static const int64_t max_threads = [] {
+    const char* v = std::getenv("EAGLE_JAX_CPU_KERNEL_THREADS");
+    return v && *v ? std::max<int64_t>(1, std::atoll(v)) : INT64_MAX;
+  }();
+  const int64_t threads = std::min(max_threads, std::max<int64_t>(1, pool.num_threads()));
   const int64_t align = kind == Kind::kKN ? 16 : 4;
-  const int64_t chunks = std::min<int64_t>(2 * threads, std::max<int64_t>(1, N / 256));
+  // Many small chunks: a helper thread that wakes late finds little left to do, and the caller
+  // never waits for more than one chunk's work after its own.
+  const int64_t chunks = threads == 1 ? 1 : std::min<int64_t>(8 * threads, std::max<int64_t>(1, N / 64));
   int64_t chunk = (N + chunks - 1) / chunks;
   chunk = (chunk + align - 1) / align * align;
   job->chunk = chunk;
@@ -281,18 +285,20 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t M = xd[0], K = xd[1];
   const int64_t N = nk ? wd[0] : wd[1];
   if ((nk ? wd[1] : wd[0]) != K) return ffi::Error::InvalidArgument("x and w disagree on K");
-  Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N, nk ? Kind::kNK : Kind::kKN);
+  Run(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), M, K, N, nk ? Kind::kNK : Kind::kKN);
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> sc,
                    ffi::ResultBuffer<ffi::F32> y, bool q4) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("x and w must be 2-D");
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = sc.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2) return ffi::Error::InvalidArgument("x, w and scales must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   if (K % 32 || wd[1] != K / 32 * (q4 ? kQ41Bytes : kQ80Bytes))
     return ffi::Error::InvalidArgument("quantized rows do not hold K / 32 blocks");
-  Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N, q4 ? Kind::kQ41 : Kind::kQ80);
+  if (sd[0] != N || sd[1] != K / 32 * (q4 ? 2 : 1))
+    return ffi::Error::InvalidArgument("scales must be [N, K / 32 * (2 for Q4_1, 1 for Q8_0)]");
+  Run(pool, x.typed_data(), w.typed_data(), sc.typed_data(), y->typed_data(), M, K, N, q4 ? Kind::kQ41 : Kind::kQ80);
   return ffi::Error::Success();
 }
 
@@ -307,10 +313,11 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 
 #define EAGLE_Q_HANDLER(NAME, Q4)                                                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, [](ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,               \
-                                         ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {      \
-    return QMatmul(pool, x, w, y, Q4);                                                               \
+                                         ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> sc,             \
+                                         ffi::ResultBuffer<ffi::F32> y) {                              \
+    return QMatmul(pool, x, w, sc, y, Q4);                                                           \
   }, ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()  \
-         .Ret<ffi::Buffer<ffi::F32>>())
+         .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>())
 
 EAGLE_F32_HANDLER(EagleMatmulKN, false);
 EAGLE_F32_HANDLER(EagleMatmulNK, true);

@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -141,19 +142,40 @@ def matmul(x: jax.Array, w: jax.Array, layout: str = "kn") -> jax.Array:
     return call(x.reshape(m, k), w).reshape(*lead, n)
 
 
-def qmatmul(x: jax.Array, blocks: jax.Array, kind: str) -> jax.Array:
+def block_scales(blocks, kind: str):
+    """float32 scales of GGUF rows (uint8 [N, K/32 * bytes]) → [N, K/32 * 2] (d, m: Q4_1) or
+    [N, K/32] (d: Q8_0): the blocks' float16 fields, converted once (numpy in, numpy out; jax in,
+    jax out)."""
+    xp = np if isinstance(blocks, np.ndarray) else jnp
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, QUANT_BLOCK_BYTES[kind])
+    width = 4 if kind == "q4_1" else 2
+    head = xp.ascontiguousarray(b[:, :, :width]) if xp is np else b[:, :, :width]
+    f16 = head.view(np.float16) if xp is np else jax.lax.bitcast_convert_type(
+        head.reshape(n, -1, width // 2, 2), jnp.float16)
+    return f16.astype(np.float32).reshape(n, -1)
+
+
+def qmatmul(x: jax.Array, blocks: jax.Array, kind: str, scales: jax.Array | None = None) -> jax.Array:
     """x[..., K] @ dequantize(blocks).T in float32 → [..., N]; `blocks` are GGUF rows (uint8
-    [N, K/32 * bytes], `kind` "q4_1" or "q8_0"). Only through the custom call (check `available()`);
-    at most `MAX_ROWS` rows (the caller uses the float32 weights for more)."""
+    [N, K/32 * bytes], `kind` "q4_1" or "q8_0"), `scales` their `block_scales` (computed here when
+    not given; pass them precomputed for speed). Only through the custom call (check
+    `available()`); meant for at most `MAX_ROWS` rows (the decoder uses float32 weights above)."""
     if kind not in QUANT_BLOCK_BYTES:
         raise ValueError(f"qmatmul: kind must be one of {tuple(QUANT_BLOCK_BYTES)}, got {kind!r}")
     k = x.shape[-1]
     n = blocks.shape[0]
     if blocks.dtype != jnp.uint8 or k % 32 or blocks.shape[1] != k // 32 * QUANT_BLOCK_BYTES[kind]:
         raise ValueError(f"qmatmul: {kind} rows {tuple(blocks.shape)} {blocks.dtype} do not fit K={k}")
+    if scales is None:
+        scales = block_scales(blocks, kind)
+    if tuple(scales.shape) != (n, k // 32 * (2 if kind == "q4_1" else 1)):
+        raise ValueError(f"qmatmul: scales {tuple(scales.shape)} do not fit {kind} rows {tuple(blocks.shape)}")
+    if not available():
+        raise RuntimeError(f"qmatmul needs the CPU matmul kernel, which is unavailable: {unavailable_reason()}")
     lead = x.shape[:-1]
     m = 1
     for d in lead:
         m *= d
     call = jax.ffi.ffi_call(_TARGETS[kind], jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x.reshape(m, k).astype(jnp.float32), blocks).reshape(*lead, n)
+    return call(x.reshape(m, k).astype(jnp.float32), blocks, scales.astype(jnp.float32)).reshape(*lead, n)

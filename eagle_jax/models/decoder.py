@@ -227,7 +227,7 @@ def lm_logits(params, cfg: ModelConfig, hidden_btd) -> jax.Array:
         head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
         kind = next((k for k in QUANT_BLOCK_BYTES if k in head), None)
         if kind is not None and math.prod(h.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
-            return qmatmul(h, head[kind], kind)
+            return qmatmul(h, head[kind], kind, head.get(f"{kind}_scales"))
         if cfg.tie_word_embeddings:
             return matmul(h, params["embed_tokens"]["embedding"].astype(jnp.float32), "nk")
         return matmul(h, params["lm_head"]["kernel"].astype(jnp.float32), "kn")

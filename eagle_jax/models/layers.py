@@ -142,7 +142,8 @@ class KernelDense(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
         kind = next((k for k in QUANT_BLOCK_BYTES if self.has_variable("params", k)), None)
         if kind is not None and math.prod(x.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
-            y = qmatmul(x, self.get_variable("params", kind), kind).astype(self.dtype)
+            y = qmatmul(x, self.get_variable("params", kind), kind,
+                        self.get_variable("params", f"{kind}_scales")).astype(self.dtype)
         else:
             y = matmul(x.astype(self.dtype), kernel.astype(self.dtype)).astype(self.dtype)
         if self.use_bias:

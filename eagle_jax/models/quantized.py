@@ -5,7 +5,8 @@ what every path computes with. On an AVX-512 CPU (`ModelConfig.matmul_impl == "c
 decoding is bound by reading the weights, so `attach_gguf_blocks` also keeps the file's own
 Q4_1 / Q8_0 blocks of every linear layer and of the embedding (uint8 rows, 5 and 8.5 bits a
 weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,
-`params["embed_tokens"]["q8_0"]` next to `["embedding"]`. The kernel dequantises them in
+`params["embed_tokens"]["q8_0"]` next to `["embedding"]`, each with its blocks' scales in float32
+(`"q4_1_scales"`: the kernel reads them with broadcasts instead of converting float16 per block). The kernel dequantises them in
 registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
 equals the float32 kernel's product with the converted weights bit for bit; products of more than
 `cpu_matmul.MAX_ROWS` rows (prefill chunks) use the float32 weights.
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from ..kernels.cpu_matmul import QUANT_BLOCK_BYTES
+from ..kernels.cpu_matmul import QUANT_BLOCK_BYTES, block_scales
 from .config import ModelConfig
 from .gguf_loader import GGUFModel, _unpermute_rows
 
@@ -94,7 +95,9 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
             continue  # unquantized, or mixed types across layers: the float32 path
         kind = per_layer[0][0]
         sub = dict(layers[group])
-        sub[name] = dict(sub[name], **{kind: jnp.asarray(np.stack([r for _, r in per_layer]))})
+        sub[name] = dict(sub[name], **{kind: jnp.asarray(np.stack([r for _, r in per_layer])),
+                                       f"{kind}_scales": jnp.asarray(np.stack([block_scales(r, kind)
+                                                                               for _, r in per_layer]))})
         layers[group] = sub
         n_bytes += sum(r.nbytes for _, r in per_layer)
     out["layers"] = layers
@@ -106,7 +109,7 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
         want = params[key]["embedding"] if cfg.tie_word_embeddings else np.asarray(params[key]["kernel"]).T
         if check in ("all", "first"):
             _check(head, kind, rows, np.asarray(want))
-        out[key] = dict(params[key], **{kind: jnp.asarray(rows)})
+        out[key] = dict(params[key], **{kind: jnp.asarray(rows), f"{kind}_scales": jnp.asarray(block_scales(rows, kind))})
         n_bytes += rows.nbytes
     if log:
         log(f"attached {n_bytes / 2**20:.0f} MiB of GGUF blocks from {os.path.basename(str(gguf_path))} "
