@@ -26,7 +26,8 @@ benchmarks with it. Without tree flags each method runs the tree serve would run
 on this device before, else the one packaged for this platform, else the default tree.
 
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
-against the reference path; see eagle_jax/kernels/bench.py).
+against the reference path; see eagle_jax/kernels/bench.py); `python -m eagle_jax.bench matmul`
+times the few-row weight products through XLA and the AVX-512 kernel (kernels/matmul_bench.py).
 """
 
 from __future__ import annotations
@@ -253,6 +254,9 @@ def build_parser():
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["matmul"]:  # the CPU few-row matmul microbenchmark
+        from .kernels.matmul_bench import main as matmul_main
+        return matmul_main(argv[1:])
     if argv[:1] == ["kernel"]:  # the tree-attention microbenchmark
         from .kernels.bench import main as kernel_main
         return kernel_main(argv[1:])

@@ -174,3 +174,12 @@ def test_model_through_blocks_matches_xla_and_stays_lossless(tiny_gguf):
     for r, n in enumerate(lens):
         assert list(spec_k[r, n:n + 24]) == list(plain_k[r, n:n + 24])  # lossless under the kernel
         assert list(plain_k[r, n:n + 24]) == list(plain_x[r, n:n + 24])  # and the same text as XLA's f32
+
+
+def test_matmul_microbenchmark_runs_all_three_paths(capsys):
+    from eagle_jax.bench import main
+
+    assert main(["matmul", "--rows", "1,3", "--k", "64", "--n", "96", "--matrices", "2", "--reps", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks |" in table
+    assert "\n| 1 |" in table and "\n| 3 |" in table

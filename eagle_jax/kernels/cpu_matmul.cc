@@ -266,9 +266,12 @@ void Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scal
   }();
   const int64_t threads = std::min(max_threads, std::max<int64_t>(1, pool.num_threads()));
   const int64_t align = kind == Kind::kKN ? 16 : 4;
-  // Many small chunks: a helper thread that wakes late finds little left to do, and the caller
-  // never waits for more than one chunk's work after its own.
-  const int64_t chunks = threads == 1 ? 1 : std::min<int64_t>(8 * threads, std::max<int64_t>(1, N / 64));
+  // Row-wise kinds (nk, quantized) take many small chunks: a helper thread that wakes late finds
+  // little left to do, and the caller never waits for more than one chunk after its own. kn
+  // streams every row of w across its chunk's columns, so its chunks stay wide.
+  const int64_t chunks = threads == 1 ? 1
+      : kind == Kind::kKN ? std::min<int64_t>(2 * threads, std::max<int64_t>(1, N / 256))
+                          : std::min<int64_t>(8 * threads, std::max<int64_t>(1, N / 64));
   int64_t chunk = (N + chunks - 1) / chunks;
   chunk = (chunk + align - 1) / align * align;
   job->chunk = chunk;
