@@ -117,9 +117,14 @@ class Engine:
         self.cfg = self.cfg.replace(matmul_impl=resolve_matmul_impl(matmul))
         self.quantized = False
         if self.cfg.matmul_impl == "cpu_kernel":
-            gguf = model_gguf(model)
+            say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
+            try:  # the GGUF may be gone from the cache while its conversion stays: fall back, say so
+                gguf = model_gguf(model)
+            except Exception as e:  # noqa: BLE001 - any failure to find the file only costs speed
+                gguf = None
+                print(f"[eagle_jax] not using GGUF blocks: the GGUF behind {model!r} is unavailable ({e})",
+                      file=sys.stderr)
             if gguf is not None:
-                say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
                 self.params = attach_gguf_blocks(self.params, self.cfg, gguf, log=say)
                 self.quantized = True
         self.params = with_layer_layout(self.params, layers)

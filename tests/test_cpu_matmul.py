@@ -183,3 +183,17 @@ def test_matmul_microbenchmark_runs_all_three_paths(capsys):
     table = capsys.readouterr().out
     assert "| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks |" in table
     assert "\n| 1 |" in table and "\n| 3 |" in table
+
+
+def test_engine_without_its_gguf_falls_back_to_float32_and_says_so(tiny_hf_dir, monkeypatch, capsys):
+    from eagle_jax.engine import Engine
+    from eagle_jax.models import registry
+
+    def gone(spec, cache_dir=None):
+        raise FileNotFoundError("the wheel cannot be downloaded")
+
+    monkeypatch.setattr(registry, "model_gguf", gone)
+    engine = Engine(str(tiny_hf_dir), progress=False, compile_cache=False)
+    assert engine.cfg.matmul_impl == "cpu_kernel" and not engine.quantized
+    assert "not using GGUF blocks" in capsys.readouterr().err
+    assert Engine(str(tiny_hf_dir), progress=False, compile_cache=False, matmul="xla").cfg.matmul_impl == "xla"
