@@ -4,7 +4,7 @@ A GGUF model is converted once into float32 Hugging Face weights (`gguf_loader.p
 what every path computes with. On an AVX-512 CPU (`ModelConfig.matmul_impl == "cpu_kernel"`)
 decoding is bound by reading the weights, so `attach_gguf_blocks` also keeps the file's own
 Q4_1 / Q8_0 blocks of every linear layer and of the embedding (uint8 rows, 5 and 8.5 bits a
-weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,
+weight, plus float32 scales) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,
 `params["embed_tokens"]["q8_0"]` next to `["embedding"]`, each with its blocks' scales in float32
 (`"q4_1_scales"`: the kernel reads them with broadcasts instead of converting float16 per block). The kernel dequantises them in
 registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
@@ -99,7 +99,7 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
                                        f"{kind}_scales": jnp.asarray(np.stack([block_scales(r, kind)
                                                                                for _, r in per_layer]))})
         layers[group] = sub
-        n_bytes += sum(r.nbytes for _, r in per_layer)
+        n_bytes += sum(r.nbytes for _, r in per_layer) + sub[name][f"{kind}_scales"].nbytes
     out["layers"] = layers
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     got = _blocks(model, head, cfg) if head in model._tensors else None
@@ -110,9 +110,9 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
         if check in ("all", "first"):
             _check(head, kind, rows, np.asarray(want))
         out[key] = dict(params[key], **{kind: jnp.asarray(rows), f"{kind}_scales": jnp.asarray(block_scales(rows, kind))})
-        n_bytes += rows.nbytes
+        n_bytes += rows.nbytes + out[key][f"{kind}_scales"].nbytes
     if log:
-        log(f"attached {n_bytes / 2**20:.0f} MiB of GGUF blocks from {os.path.basename(str(gguf_path))} "
+        log(f"attached {n_bytes / 2**20:.0f} MiB of GGUF blocks and scales from {os.path.basename(str(gguf_path))} "
             f"in {time.perf_counter() - t0:.1f}s")
     return out
 
