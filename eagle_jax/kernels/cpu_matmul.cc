@@ -9,7 +9,8 @@
 //   eagle_jax_matmul_kn: y[M, N] = x[M, K] @ w[K, N]   (Flax `Dense` kernels)
 //   eagle_jax_matmul_nk: y[M, N] = x[M, K] @ w[N, K]^T (tied embeddings used as the LM head)
 //   eagle_jax_matmul_q4_1 / _q8_0: the same with w as GGUF Q4_1 / Q8_0 rows (uint8 [N, K/32 * 20|34]),
-//     dequantised in registers: a step reads ~100 MB of SmolLM2's weights instead of 540 MB.
+//     plus their float32 scales, dequantised in registers: a step reads ~120 MiB of SmolLM2's
+//     weights instead of 540 MB.
 //
 // Every output is summed over k in one fixed order whatever M is and whichever rows share a
 // call, so one token's logits do not depend on how many tokens were verified with it.
@@ -123,8 +124,8 @@ void nk_block(const float* x, const float* w, const float*, float* y, int64_t K,
 
 // ---------------------------------------------------------------- quantized nk: GGUF Q4_1 / Q8_0 rows
 // w is [N, K/32 blocks] in ggml's block layout. Each 32-weight block is dequantised in registers
-// exactly as gguf-py's numpy dequantiser does it (Q4_1: (d * q) + m, Q8_0: q * d, float32, no FMA)
-// and then multiplied like the float32 nk kernel (lane l sums k = l, l + 16, ... in order), so the
+// to exactly the float32 values gguf-py's numpy dequantiser gives (Q4_1: (d * q) + m, Q8_0: q * d;
+// see q41_block) and then multiplied like the float32 nk kernel (lane l sums k = l, l + 16, ... in order), so the
 // result is the float32 product with the dequantised matrix while reading 5 (Q4_1) or 8.5 (Q8_0)
 // bits per weight instead of 32.
 constexpr int64_t kQ41Bytes = 20;  // f16 d, f16 m, 16 bytes of nibbles (weights j and j + 16)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -132,14 +133,17 @@ def matmul(x: jax.Array, w: jax.Array, layout: str = "kn") -> jax.Array:
     if (w.shape[0] if layout == "kn" else w.shape[1]) != k:
         raise ValueError(f"matmul: x has K={k}, w {tuple(w.shape)} ({layout})")
     lead = x.shape[:-1]
-    m = 1
-    for d in lead:
-        m *= d
+    m = math.prod(lead)
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or m > MAX_ROWS or m == 0 or not available():
         spec = "...k,kn->...n" if layout == "kn" else "...k,nk->...n"
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     call = jax.ffi.ffi_call(_TARGETS[layout], jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.reshape(m, k), w).reshape(*lead, n)
+
+
+def quant_kind(variables) -> str | None:
+    """The GGUF block entry ("q4_1" / "q8_0") a layer's params hold beside their float32 weight, if any."""
+    return next((k for k in QUANT_BLOCK_BYTES if k in variables), None)
 
 
 def block_scales(blocks, kind: str):
@@ -174,8 +178,6 @@ def qmatmul(x: jax.Array, blocks: jax.Array, kind: str, scales: jax.Array | None
     if not available():
         raise RuntimeError(f"qmatmul needs the CPU matmul kernel, which is unavailable: {unavailable_reason()}")
     lead = x.shape[:-1]
-    m = 1
-    for d in lead:
-        m *= d
+    m = math.prod(lead)
     call = jax.ffi.ffi_call(_TARGETS[kind], jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.reshape(m, k).astype(jnp.float32), blocks, scales.astype(jnp.float32)).reshape(*lead, n)

@@ -221,11 +221,11 @@ def _capture(caps, layer_caps, i, h):
 def lm_logits(params, cfg: ModelConfig, hidden_btd) -> jax.Array:
     """Float32 logits over the vocabulary (tied embeddings use the embedding matrix)."""
     if cfg.matmul_impl == "cpu_kernel":
-        from ..kernels.cpu_matmul import MAX_ROWS, QUANT_BLOCK_BYTES, matmul, qmatmul
+        from ..kernels.cpu_matmul import MAX_ROWS, matmul, qmatmul, quant_kind
 
         h = hidden_btd.astype(jnp.float32)
         head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
-        kind = next((k for k in QUANT_BLOCK_BYTES if k in head), None)
+        kind = quant_kind(head)
         if kind is not None and math.prod(h.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
             return qmatmul(h, head[kind], kind, head.get(f"{kind}_scales"))
         if cfg.tie_word_embeddings:

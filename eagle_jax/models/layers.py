@@ -137,10 +137,10 @@ class KernelDense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        from ..kernels.cpu_matmul import MAX_ROWS, QUANT_BLOCK_BYTES, matmul, qmatmul
+        from ..kernels.cpu_matmul import MAX_ROWS, matmul, qmatmul, quant_kind
 
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
-        kind = next((k for k in QUANT_BLOCK_BYTES if self.has_variable("params", k)), None)
+        kind = quant_kind(self.variables.get("params", {}))
         if kind is not None and math.prod(x.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
             y = qmatmul(x, self.get_variable("params", kind), kind,
                         self.get_variable("params", f"{kind}_scales")).astype(self.dtype)

@@ -4,10 +4,10 @@ A GGUF model is converted once into float32 Hugging Face weights (`gguf_loader.p
 what every path computes with. On an AVX-512 CPU (`ModelConfig.matmul_impl == "cpu_kernel"`)
 decoding is bound by reading the weights, so `attach_gguf_blocks` also keeps the file's own
 Q4_1 / Q8_0 blocks of every linear layer and of the embedding (uint8 rows, 5 and 8.5 bits a
-weight, plus float32 scales) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,
-`params["embed_tokens"]["q8_0"]` next to `["embedding"]`, each with its blocks' scales in float32
-(`"q4_1_scales"`: the kernel reads them with broadcasts instead of converting float16 per block). The kernel dequantises them in
-registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
+weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,
+`params["embed_tokens"]["q8_0"]` next to `["embedding"]`, each with its blocks' scales converted
+to float32 once (`"q4_1_scales"`: the kernel reads them with broadcasts). The kernel dequantises
+them in registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
 equals the float32 kernel's product with the converted weights bit for bit; products of more than
 `cpu_matmul.MAX_ROWS` rows (prefill chunks) use the float32 weights.
 
@@ -116,10 +116,3 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
             f"in {time.perf_counter() - t0:.1f}s")
     return out
 
-
-def quant_kind(variables: dict) -> Optional[str]:
-    """The quantized-block entry of one linear layer's params, if any ("q4_1" / "q8_0")."""
-    for kind in QUANT_BLOCK_BYTES:
-        if kind in variables:
-            return kind
-    return None
