@@ -1,4 +1,5 @@
-"""The AVX-512 few-row matmul (kernels/cpu_matmul) and the GGUF blocks it reads (models/quantized):
+"""The AVX-512 few-row matmul (kernels/cpu_matmul), the few-query cache attention beside it
+(kernels/cpu_attention) and the GGUF blocks the matmul reads (models/quantized):
 products equal float64 references to float32 rounding; each row's result does not depend on the
 other rows of the call; the quantized products equal the float32 kernel on the dequantised
 weights bit for bit; a model decoding through them stays lossless (speculative greedy == plain
@@ -89,6 +90,92 @@ def test_quantized_rejects_mismatched_blocks():
         cm.qmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 40), jnp.uint8), "q4_1", jnp.zeros((8, 2)))
     with pytest.raises(ValueError, match="kind"):
         cm.qmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 40), jnp.uint8), "q5_0")
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 16])
+def test_float16_rows_equal_f32_kernel_on_widened_weights_bit_for_bit(m):
+    rng = np.random.default_rng(10 + m)
+    n, k = 45, 1152  # 45 rows: a chunk ends inside a 4-row group
+    w16 = (0.05 * rng.standard_normal((n, k))).astype(np.float16)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = np.asarray(_jit(cm.hmatmul)(x, w16))
+    np.testing.assert_array_equal(got, np.asarray(_jit(lambda x, w: cm.matmul(x, w, "nk"))(x, w16.astype(np.float32))))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w16.T.astype(np.float64), rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="float16 rows"):
+        cm.hmatmul(jnp.zeros((1, 40)), jnp.zeros((8, 40), jnp.float16))  # K % 16 != 0
+    with pytest.raises(ValueError, match="float16 rows"):
+        cm.hmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 64), jnp.float32))
+
+
+def test_float16_head_reads_its_float16_rows_and_stays_lossless(tiny_hf_dir, tmp_path):
+    """A draft head stored in float16 and loaded under the kernel keeps float16 rows beside every
+    Dense kernel; drafting reads them (zeroing them changes the draft), and decoding stays lossless."""
+    from eagle_jax.draft import DraftConfig, TreeBudget, fuse_features, init_head, load_drafter, save_drafter
+    from eagle_jax.models.quantized import attach_f16_rows
+
+    cfg, params = load_hf_dir(tiny_hf_dir)
+    kcfg = dataclasses.replace(cfg, matmul_impl="cpu_kernel")
+    head = init_head(DraftConfig.for_target("eagle3", cfg, draft_vocab_size=cfg.vocab_size, target_layers=(0, 1, 2)),
+                     jax.random.PRNGKey(5))
+    save_drafter(tmp_path / "h16", head, cfg, dtype="float16")
+    loaded = load_drafter(tmp_path / "h16", kcfg)
+    assert loaded.cfg.layer.matmul_impl == "cpu_kernel"
+    for node in (loaded.params["fc"], loaded.params["lm_head"], loaded.params["midlayer"]["mlp"]["down_proj"]):
+        assert node["f16"].dtype == jnp.float16
+        np.testing.assert_array_equal(np.asarray(node["f16"]).T.astype(np.float32), np.asarray(node["kernel"]))
+    f32 = attach_f16_rows(jax.tree.map(lambda a: a, head.params))  # float32 values float16 cannot hold: no rows
+    assert "f16" not in f32["fc"]
+    feats = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, loaded.cfg.feature_size)), jnp.float32)
+    fuse = jax.jit(fuse_features)
+    xla_head = load_drafter(tmp_path / "h16", cfg)
+    np.testing.assert_allclose(np.asarray(fuse(loaded, feats)), np.asarray(fuse(xla_head, feats)), rtol=1e-5,
+                               atol=1e-5)
+    zeroed = loaded.replace(params=dict(loaded.params, fc=dict(loaded.params["fc"],
+                                                                f16=jnp.zeros_like(loaded.params["fc"]["f16"]))))
+    assert np.abs(np.asarray(fuse(zeroed, feats))).max() == 0  # the product read the float16 rows
+
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    plain, lens = _decode(params, cfg, prompts, 24)
+    spec, _ = _decode(params, kcfg, prompts, 24, head=loaded, budget=TreeBudget("dynamic", total_tokens=6, depth=3,
+                                                                                 top_k=3))
+    for r, n in enumerate(lens):
+        assert list(spec[r, n:n + 24]) == list(plain[r, n:n + 24])
+
+
+# ------------------------------------------------------------------ attention over the stacked cache
+@pytest.mark.parametrize("t", [1, 3, 8, 16])
+@pytest.mark.parametrize("kvh,h,d", [(3, 9, 64), (2, 2, 40)])
+def test_cache_attention_matches_reference(t, kvh, h, d):
+    from eagle_jax.kernels.cpu_attention import cache_attention
+    from eagle_jax.models.layers import dense_attention
+
+    rng = np.random.default_rng(t * 7 + kvh)
+    l, b, s = 3, 2, 100
+    k = rng.standard_normal((l, b, s, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((l, b, s, kvh, d)).astype(np.float32)
+    q = (3 * rng.standard_normal((b, t, h, d))).astype(np.float32)
+    mask = rng.random((b, t, s)) < 0.4
+    mask[1, 0] = False  # a query that sees nothing gets zeros
+    f = _jit(cache_attention)
+    for layer in range(l):
+        got = np.asarray(f(q, k, v, layer, mask))
+        want = np.asarray(dense_attention(q, k[layer], v[layer], mask))
+        np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)
+    assert not np.any(got[1, 0])
+    # each query depends on its own mask only: alone or among others, the same bits
+    whole = np.asarray(f(q, k, v, 1, mask))
+    for i in range(t):
+        np.testing.assert_array_equal(np.asarray(f(q[:, i:i + 1], k, v, 1, mask[:, i:i + 1]))[:, 0], whole[:, i])
+
+
+def test_cache_attention_rejects_mismatched_operands():
+    from eagle_jax.kernels.cpu_attention import cache_attention
+
+    k = jnp.zeros((2, 1, 16, 2, 8))
+    with pytest.raises(ValueError, match="does not fit the cache"):
+        cache_attention(jnp.zeros((1, 1, 3, 8)), k, k, 0, jnp.ones((1, 1, 16), bool))  # 3 heads on 2 KV heads
+    with pytest.raises(ValueError, match="mask"):
+        cache_attention(jnp.zeros((1, 2, 4, 8)), k, k, 0, jnp.ones((1, 2, 15), bool))
 
 
 # ------------------------------------------------------------------ a tiny GGUF model through the kernel

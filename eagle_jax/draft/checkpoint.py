@@ -487,6 +487,10 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
             if t2d.sum() != vd or not t2d[target_ids].all():
                 raise CheckpointError("tensors 't2d' and 'd2t' disagree on which target tokens the draft vocab holds")
         d2t = jnp.asarray(d2t, jnp.int32)
+    if lc.matmul_impl == "cpu_kernel":  # a float16 checkpoint: the kernel reads its float16 values
+        from ..models.quantized import attach_f16_rows
+
+        params = attach_f16_rows(params)
     return DraftHead(params, d2t, cfg)
 
 

@@ -8,6 +8,7 @@
 //
 //   eagle_jax_matmul_kn: y[M, N] = x[M, K] @ w[K, N]   (Flax `Dense` kernels)
 //   eagle_jax_matmul_nk: y[M, N] = x[M, K] @ w[N, K]^T (tied embeddings used as the LM head)
+//   eagle_jax_matmul_f16: y = x @ w[N, K]^T with w stored as float16 (draft heads), widened exactly
 //   eagle_jax_matmul_q4_1 / _q8_0: the same with w as GGUF Q4_1 / Q8_0 rows (uint8 [N, K/32 * 20|34]),
 //     plus their float32 scales, dequantised in registers: a step reads ~120 MiB of SmolLM2's
 //     weights instead of 540 MB.
@@ -122,6 +123,32 @@ void nk_block(const float* x, const float* w, const float*, float* y, int64_t K,
   }
 }
 
+// ---------------------------------------------------------------- float16 nk: y = x @ w^T, w [N, K] float16
+// The float32 nk kernel on weights stored as float16 (a draft head's checkpoint): each 16-weight
+// vector is widened exactly (vcvtph2ps) and summed in the same lane order, so the result is bit
+// for bit the float32 kernel's on the widened weights, from half the bytes. K % 16 == 0.
+template <int T, int R>
+void h16_block(const float* x, const float* w_as_float, const float*, float* y, int64_t K, int64_t N, int64_t n0,
+               int64_t n1) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(w_as_float);  // BlockFn's signature; really halves
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rows = (int)std::min<int64_t>(R, n1 - n);
+    __m512 acc[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+    const uint16_t* wn = w + n * K;
+    for (int64_t k = 0; k < K; k += 16) {
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + r * K + k)));
+        for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + k), wv, acc[t][r]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(acc[t][r]);
+  }
+}
+
 // ---------------------------------------------------------------- quantized nk: GGUF Q4_1 / Q8_0 rows
 // w is [N, K/32 blocks] in ggml's block layout. Each 32-weight block is dequantised in registers
 // to exactly the float32 values gguf-py's numpy dequantiser gives (Q4_1: (d * q) + m, Q8_0: q * d;
@@ -212,6 +239,19 @@ BlockFn q_fn(int t) {
   }
 }
 
+BlockFn h16_fn(int t) {
+  switch (t) {
+    case 1: return h16_block<1, 4>;
+    case 2: return h16_block<2, 4>;
+    case 3: return h16_block<3, 4>;
+    case 4: return h16_block<4, 4>;
+    case 5: return h16_block<5, 2>;
+    case 6: return h16_block<6, 2>;
+    case 7: return h16_block<7, 2>;
+    default: return h16_block<8, 2>;
+  }
+}
+
 BlockFn nk_fn(int t) {
   switch (t) {
     case 1: return nk_block<1, 4>;
@@ -225,7 +265,7 @@ BlockFn nk_fn(int t) {
   }
 }
 
-enum class Kind { kKN, kNK, kQ41, kQ80 };
+enum class Kind { kKN, kNK, kQ41, kQ80, kH16 };
 
 struct Job {
   const float* x;
@@ -242,7 +282,7 @@ struct Job {
     const int64_t group = 8;  // rows of x per pass over the weights
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const int t = (int)std::min<int64_t>(group, M - m0);
-      BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t)
+      BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t) : kind == Kind::kH16 ? h16_fn(t)
                 : kind == Kind::kQ41 ? q_fn<true>(t) : q_fn<false>(t);
       f(x + m0 * K, static_cast<const float*>(w), scales, y + m0 * N, K, N, n0, n1);
     }
@@ -306,6 +346,16 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+ffi::Error HMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F16> w,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("x and w must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (wd[1] != K || K % 16) return ffi::Error::InvalidArgument("float16 rows must be [N, K] with K % 16 == 0");
+  Run(pool, x.typed_data(), w.untyped_data(), nullptr, y->typed_data(), M, K, N, Kind::kH16);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define EAGLE_F32_HANDLER(NAME, NK)                                                                  \
@@ -327,3 +377,6 @@ EAGLE_F32_HANDLER(EagleMatmulKN, false);
 EAGLE_F32_HANDLER(EagleMatmulNK, true);
 EAGLE_Q_HANDLER(EagleMatmulQ41, true);
 EAGLE_Q_HANDLER(EagleMatmulQ80, false);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulF16, HMatmul,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());

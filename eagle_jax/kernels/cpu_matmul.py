@@ -32,11 +32,12 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+_SOURCES = (Path(__file__).with_name("cpu_matmul.cc"), Path(__file__).with_name("cpu_attention.cc"))
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",
-            "q8_0": "eagle_jax_matmul_q8_0"}
-_SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ41", "q8_0": "EagleMatmulQ80"}
+            "q8_0": "eagle_jax_matmul_q8_0", "f16": "eagle_jax_matmul_f16", "attention": "eagle_jax_attention"}
+_SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ41", "q8_0": "EagleMatmulQ80",
+            "f16": "EagleMatmulF16", "attention": "EagleAttention"}
 QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per 32 weights (ggml block layouts)
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (measured on a 2-core Xeon: 16 rows break even)
 MATMUL_IMPLS = ("xla", "cpu_kernel")
@@ -65,7 +66,7 @@ def _build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + cxx.encode() + jaxlib.__version__.encode()
                          + platform.node().encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_matmul_{key}.so"
@@ -73,11 +74,11 @@ def _build() -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", str(tmp)]
+    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *map(str, _SOURCES), "-o", str(tmp)]
     log.info("building the CPU matmul kernel: %s", " ".join(cmd))
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"building {_SOURCE.name} failed:\n{res.stderr[-2000:]}")
+        raise RuntimeError(f"building {', '.join(p.name for p in _SOURCES)} failed:\n{res.stderr[-2000:]}")
     os.replace(tmp, out)
     return out
 
@@ -139,6 +140,21 @@ def matmul(x: jax.Array, w: jax.Array, layout: str = "kn") -> jax.Array:
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     call = jax.ffi.ffi_call(_TARGETS[layout], jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.reshape(m, k), w).reshape(*lead, n)
+
+
+def hmatmul(x: jax.Array, w_nk: jax.Array) -> jax.Array:
+    """x[..., K] @ w_nk.T in float32 → [..., N], with `w_nk` float16 [N, K] (K % 16 == 0) widened
+    exactly inside the kernel: the float32 kernel's result on `w_nk.astype(float32)`, bit for bit,
+    from half the bytes. Only through the custom call (check `available()`); at most `MAX_ROWS` rows."""
+    k = x.shape[-1]
+    if w_nk.dtype != jnp.float16 or w_nk.ndim != 2 or w_nk.shape[1] != k or k % 16:
+        raise ValueError(f"hmatmul: float16 rows {tuple(w_nk.shape)} {w_nk.dtype} do not fit K={k} (K % 16 == 0)")
+    if not available():
+        raise RuntimeError(f"hmatmul needs the CPU matmul kernel, which is unavailable: {unavailable_reason()}")
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    call = jax.ffi.ffi_call(_TARGETS["f16"], jax.ShapeDtypeStruct((m, w_nk.shape[0]), jnp.float32))
+    return call(x.reshape(m, k).astype(jnp.float32), w_nk).reshape(*lead, w_nk.shape[0])
 
 
 def quant_kind(variables) -> str | None:

@@ -78,6 +78,12 @@ def dense_attention(q_bthd, k_bshd, v_bshd, mask_bts):
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q_bthd.dtype)
 
 
+def cache_attention_usable(q_bthd, k_all) -> bool:
+    from ..kernels.cpu_attention import usable
+
+    return usable(q_bthd, k_all)
+
+
 class RolloutKeys(NamedTuple):
     """The keys an EAGLE-3 training-time-test step attends to, kept compact (pass it as `cache`).
 
@@ -128,7 +134,8 @@ class KernelDense(nn.Module):
     """`nn.Dense` (same parameters: kernel [in, out], optional bias) whose product goes through
     `kernels.cpu_matmul` (few rows, float32, AVX-512); larger products fall back to XLA's dot.
     When the params also hold the layer's GGUF blocks ("q4_1" / "q8_0", `models/quantized.py`),
-    few-row products read those instead: the same float32 result from a fifth of the bytes."""
+    few-row products read those instead: the same float32 result from a fifth of the bytes; float16
+    rows ("f16": a draft head stored in float16, `models.quantized.attach_f16_rows`) likewise."""
 
     features: int
     use_bias: bool = False
@@ -137,13 +144,17 @@ class KernelDense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        from ..kernels.cpu_matmul import MAX_ROWS, matmul, qmatmul, quant_kind
+        from ..kernels.cpu_matmul import MAX_ROWS, hmatmul, matmul, qmatmul, quant_kind
 
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
-        kind = quant_kind(self.variables.get("params", {}))
-        if kind is not None and math.prod(x.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
+        held = self.variables.get("params", {})
+        kind = quant_kind(held)
+        few = math.prod(x.shape[:-1]) <= MAX_ROWS
+        if kind is not None and few:  # GGUF blocks (models/quantized.py)
             y = qmatmul(x, self.get_variable("params", kind), kind,
                         self.get_variable("params", f"{kind}_scales")).astype(self.dtype)
+        elif "f16" in held and few and self.dtype == jnp.float32:  # the float16 values of a head's kernel
+            y = hmatmul(x.astype(jnp.float32), self.get_variable("params", "f16"))
         else:
             y = matmul(x.astype(self.dtype), kernel.astype(self.dtype)).astype(self.dtype)
         if self.use_bias:
@@ -167,6 +178,8 @@ class Attention(nn.Module):
     The new keys are scattered in place (slots past the end are dropped) and the queries attend to
     all S slots of this layer under `mask_bts`, or, when `mask_bts` is a `kernels.BlockMask`
     (compact: committed length, block bitmask, positions), through the Pallas tree-attention kernel.
+    Under `matmul_impl == "cpu_kernel"` few-query blocks attend through `kernels.cpu_attention`,
+    which reads the layer's keys and values where they lie in the stacked cache.
     """
 
     cfg: ModelConfig
@@ -202,6 +215,10 @@ class Attention(nn.Module):
                 length_b, bits_btw, q_pos_bt = mask_bts
                 out = tree_attention(q, k_all[layer], v_all[layer], length_b, k, v, bits_btw, q_pos_bt,
                                      window=cfg.sliding_window, impl="pallas")
+            elif cfg.matmul_impl == "cpu_kernel" and cache_attention_usable(q, k_all):
+                from ..kernels.cpu_attention import cache_attention  # reads the layer in place
+
+                out = cache_attention(q, k_all, v_all, layer, jnp.broadcast_to(mask_bts, (b, t, k_all.shape[2])))
             else:
                 out = dense_attention(q, k_all[layer], v_all[layer], mask_bts)
             cache = (k_all, v_all)

@@ -116,3 +116,24 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
             f"in {time.perf_counter() - t0:.1f}s")
     return out
 
+
+
+def attach_f16_rows(params):
+    """Beside every 2-D Dense `kernel` [in, out] whose float32 values are all float16 numbers (a head
+    stored in float16), keep them as float16 rows [out, in] ("f16"): `KernelDense` then reads half
+    the bytes for the same float32 products (the kernel widens them exactly). A kernel that float16
+    cannot hold exactly is left alone."""
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        w = node.get("kernel")
+        if w is not None and getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32:
+            w_np = np.asarray(w)
+            h = w_np.astype(np.float16)
+            if np.array_equal(h.astype(np.float32), w_np) and w_np.shape[0] % 16 == 0:
+                out["f16"] = jnp.asarray(np.ascontiguousarray(h.T))
+        return out
+
+    return walk(params)
