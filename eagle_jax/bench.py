@@ -227,6 +227,8 @@ def build_parser():
     p.add_argument("--matmul", default="auto", choices=("auto", "cpu_kernel", "xla"),
                    help="weight products: the AVX-512 few-row kernel (reads a GGUF model's Q4_1/Q8_0 blocks; same "
                         "float32 results), XLA's dot, or auto (the kernel on an AVX-512 CPU where it builds)")
+    p.add_argument("--draft-rows", default="q8_0", choices=("q8_0", "f16"),
+                   help="with the CPU kernel: the draft heads quantised to Q8_0, or their float16 values exactly")
     p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
                    help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
                         "or auto (unroll on CPU, scan elsewhere); the same numbers either way")
@@ -277,7 +279,8 @@ def main(argv=None) -> int:
     from .engine import Engine
 
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
-    engine = Engine(args.model, dtype=args.dtype, attention=args.attention, layers=args.layers, matmul=args.matmul)
+    engine = Engine(args.model, dtype=args.dtype, attention=args.attention, layers=args.layers, matmul=args.matmul,
+                    draft_rows=args.draft_rows)
     for m in methods:
         if m in SPEC_METHODS:
             spec = args.drafter
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
               "machine": machine_info(),
               "settings": {"prompts": args.prompts, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
-                           "attention": args.attention, "layers": engine.layers, "matmul": engine.cfg.matmul_impl,
+                           "attention": args.attention, "layers": engine.layers, "matmul": engine.cfg.matmul_impl, "draft_rows": engine.draft_rows,
                            "gguf_blocks": engine.quantized, "drafter": args.drafter,
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     if tuned:

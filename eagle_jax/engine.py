@@ -94,12 +94,16 @@ class Engine:
         JAX runs on an AVX-512 CPU and it builds, else XLA). Float32 products only. With the
         kernel, a GGUF model (an alias or a .gguf file) also keeps its Q4_1 / Q8_0 blocks, which
         few-row products read instead of the float32 weights (same result; `models/quantized.py`).
+      draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "q8_0"
+        (the head quantised to Q8_0: the fastest drafting; the output stays lossless, the drafts
+        are the quantised head's) or "f16" (a float16 checkpoint's own values, exactly).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", attention: str = "reference",
                  max_cache_len: Optional[int] = None, cache_bucket: int = 128, prefill_chunk: int = 64,
                  method: str = "vanilla", drafter: Optional[str] = None, budget: Optional[TreeBudget] = None,
-                 progress: bool = True, layers: str = "auto", compile_cache: bool = True, matmul: str = "auto"):
+                 progress: bool = True, layers: str = "auto", compile_cache: bool = True, matmul: str = "auto",
+                 draft_rows: str = "q8_0"):
         from transformers import AutoTokenizer
 
         from .kernels.cpu_matmul import resolve_matmul_impl
@@ -107,6 +111,11 @@ class Engine:
         from .models.registry import model_gguf
 
         check_layer_layout(layers)  # before any loading
+        from .models.quantized import DRAFT_ROWS
+
+        if draft_rows not in DRAFT_ROWS:
+            raise ValueError(f"draft_rows must be one of {DRAFT_ROWS}, got {draft_rows!r}")
+        self.draft_rows = draft_rows
 
         if compile_cache:
             enable_compile_cache()
@@ -176,7 +185,7 @@ class Engine:
             spec = str(path)
         from .draft.checkpoint import load_drafter
 
-        return load_drafter(spec, self.cfg)
+        return load_drafter(spec, self.cfg, rows=self.draft_rows)
 
     @property
     def name(self) -> str:

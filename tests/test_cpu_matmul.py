@@ -107,32 +107,50 @@ def test_float16_rows_equal_f32_kernel_on_widened_weights_bit_for_bit(m):
         cm.hmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 64), jnp.float32))
 
 
-def test_float16_head_reads_its_float16_rows_and_stays_lossless(tiny_hf_dir, tmp_path):
-    """A draft head stored in float16 and loaded under the kernel keeps float16 rows beside every
-    Dense kernel; drafting reads them (zeroing them changes the draft), and decoding stays lossless."""
+@pytest.mark.parametrize("rows", ["f16", "q8_0"])
+def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_path, rows):
+    """A draft head stored in float16 and loaded under the kernel keeps compact rows beside every
+    Dense kernel: its float16 values exactly ("f16"), or Q8_0 blocks whose dequantised values also
+    replace the float32 kernel ("q8_0": every path computes the same quantised head). Drafting reads
+    them (zeroing them zeroes fc's output), the XLA path agrees, and decoding stays lossless."""
+    from gguf import GGMLQuantizationType
+
     from eagle_jax.draft import DraftConfig, TreeBudget, fuse_features, init_head, load_drafter, save_drafter
-    from eagle_jax.models.quantized import attach_f16_rows
+    from eagle_jax.models.quantized import attach_draft_rows
 
     cfg, params = load_hf_dir(tiny_hf_dir)
     kcfg = dataclasses.replace(cfg, matmul_impl="cpu_kernel")
     head = init_head(DraftConfig.for_target("eagle3", cfg, draft_vocab_size=cfg.vocab_size, target_layers=(0, 1, 2)),
                      jax.random.PRNGKey(5))
     save_drafter(tmp_path / "h16", head, cfg, dtype="float16")
-    loaded = load_drafter(tmp_path / "h16", kcfg)
-    assert loaded.cfg.layer.matmul_impl == "cpu_kernel"
-    for node in (loaded.params["fc"], loaded.params["lm_head"], loaded.params["midlayer"]["mlp"]["down_proj"]):
-        assert node["f16"].dtype == jnp.float16
-        np.testing.assert_array_equal(np.asarray(node["f16"]).T.astype(np.float32), np.asarray(node["kernel"]))
-    f32 = attach_f16_rows(jax.tree.map(lambda a: a, head.params))  # float32 values float16 cannot hold: no rows
-    assert "f16" not in f32["fc"]
+    loaded = load_drafter(tmp_path / "h16", kcfg, rows=rows)
+    stored = load_drafter(tmp_path / "h16", cfg)  # XLA: the checkpoint's values, no rows
+    assert loaded.cfg.layer.matmul_impl == "cpu_kernel" and "f16" not in stored.params["fc"]
+    for path in (("fc",), ("lm_head",), ("midlayer", "mlp", "down_proj")):
+        node, ref = loaded.params, stored.params
+        for k in path:
+            node, ref = node[k], ref[k]
+        w = np.asarray(node["kernel"])
+        if rows == "f16":
+            assert node["f16"].dtype == jnp.float16
+            np.testing.assert_array_equal(np.asarray(node["f16"]).T.astype(np.float32), w)
+            np.testing.assert_array_equal(w, np.asarray(ref["kernel"]))
+        else:
+            deq = quants.dequantize(np.asarray(node["q8_0"]), GGMLQuantizationType.Q8_0).astype(np.float32)
+            np.testing.assert_array_equal(deq.T, w)  # the float32 kernel is the quantised head
+            np.testing.assert_allclose(w, np.asarray(ref["kernel"]), rtol=0, atol=np.abs(w).max() / 100)
+    if rows == "f16":  # float32 values that float16 cannot hold get no rows
+        assert "f16" not in attach_draft_rows(jax.tree.map(lambda a: a, head.params), "f16")["fc"]
+    with pytest.raises(ValueError, match="draft rows"):
+        attach_draft_rows(head.params, "q4_0")
     feats = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, loaded.cfg.feature_size)), jnp.float32)
     fuse = jax.jit(fuse_features)
-    xla_head = load_drafter(tmp_path / "h16", cfg)
-    np.testing.assert_allclose(np.asarray(fuse(loaded, feats)), np.asarray(fuse(xla_head, feats)), rtol=1e-5,
+    xla_same = loaded.replace(cfg=loaded.cfg.replace(layer=loaded.cfg.layer.replace(matmul_impl="xla")))
+    np.testing.assert_allclose(np.asarray(fuse(loaded, feats)), np.asarray(fuse(xla_same, feats)), rtol=1e-5,
                                atol=1e-5)
-    zeroed = loaded.replace(params=dict(loaded.params, fc=dict(loaded.params["fc"],
-                                                                f16=jnp.zeros_like(loaded.params["fc"]["f16"]))))
-    assert np.abs(np.asarray(fuse(zeroed, feats))).max() == 0  # the product read the float16 rows
+    fc = loaded.params["fc"]
+    zeroed = loaded.replace(params=dict(loaded.params, fc=dict(fc, **{rows: jnp.zeros_like(fc[rows])})))
+    assert np.abs(np.asarray(fuse(zeroed, feats))).max() == 0  # the product read the rows
 
     prompts = [[1, 5, 9, 2], [7, 3]]
     plain, lens = _decode(params, cfg, prompts, 24)
@@ -284,3 +302,10 @@ def test_engine_without_its_gguf_falls_back_to_float32_and_says_so(tiny_hf_dir, 
     assert engine.cfg.matmul_impl == "cpu_kernel" and not engine.quantized
     assert "not using GGUF blocks" in capsys.readouterr().err
     assert Engine(str(tiny_hf_dir), progress=False, compile_cache=False, matmul="xla").cfg.matmul_impl == "xla"
+
+
+def test_engine_rejects_unknown_draft_rows(tiny_hf_dir):
+    from eagle_jax.engine import Engine
+
+    with pytest.raises(ValueError, match="draft_rows"):
+        Engine(str(tiny_hf_dir), progress=False, compile_cache=False, draft_rows="q4_0")

@@ -410,12 +410,14 @@ def _np_dtype(name: str):
 
 
 def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, target_layers=None,
-                 dtype: Optional[str] = None) -> DraftHead:
+                 dtype: Optional[str] = None, rows: str = "q8_0") -> DraftHead:
     """Load a released-layout EAGLE-1/2 or EAGLE-3 head from a directory for `target_cfg`.
 
     `kind` ("eagle1"/"eagle3") overrides detection (architectures, draft_vocab_size, tensor names);
     `target_layers` (HF hidden_states indices) overrides the fused layers of an EAGLE-3 head;
-    `dtype` defaults to the target's. Raises CheckpointError naming a missing / misshapen /
+    `dtype` defaults to the target's. Under the CPU kernel (`target_cfg.matmul_impl == "cpu_kernel"`)
+    the head keeps compact rows for it: `rows` "q8_0" (quantised: the kernel reads a quarter of
+    float32's bytes) or "f16" (a float16 checkpoint's own values, exactly). Raises CheckpointError naming a missing / misshapen /
     unexpected tensor or an incompatibility with the target, UnsupportedConfigError for config.json.
     """
     path = Path(path)
@@ -487,10 +489,10 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
             if t2d.sum() != vd or not t2d[target_ids].all():
                 raise CheckpointError("tensors 't2d' and 'd2t' disagree on which target tokens the draft vocab holds")
         d2t = jnp.asarray(d2t, jnp.int32)
-    if lc.matmul_impl == "cpu_kernel":  # a float16 checkpoint: the kernel reads its float16 values
-        from ..models.quantized import attach_f16_rows
+    if lc.matmul_impl == "cpu_kernel":  # compact rows for the kernel (models/quantized.py)
+        from ..models.quantized import attach_draft_rows
 
-        params = attach_f16_rows(params)
+        params = attach_draft_rows(params, rows)
     return DraftHead(params, d2t, cfg)
 
 

@@ -118,6 +118,41 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
 
 
 
+DRAFT_ROWS = ("q8_0", "f16")
+
+
+def attach_q8_0_rows(params):
+    """A draft head quantised for the CPU kernel: every 2-D Dense `kernel` [in, out] (in % 32 == 0)
+    becomes GGUF Q8_0 rows [out, in/32 blocks] plus their float32 scales ("q8_0", "q8_0_scales"),
+    and the float32 `kernel` is replaced by those rows dequantised, so every path (the kernel's
+    few-row products, XLA's larger ones) computes the same quantised head. A quarter of float32's
+    bytes, 53% of float16's; drafting only proposes tokens, so the output stays lossless."""
+    from gguf import GGMLQuantizationType, quants
+
+    qt = GGMLQuantizationType.Q8_0
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        w = node.get("kernel")
+        if w is not None and getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32 and w.shape[0] % 32 == 0:
+            blocks = quants.quantize(np.ascontiguousarray(np.asarray(w).T), qt)
+            out["kernel"] = jnp.asarray(np.ascontiguousarray(quants.dequantize(blocks, qt).astype(np.float32).T))
+            out["q8_0"], out["q8_0_scales"] = jnp.asarray(blocks), jnp.asarray(block_scales(blocks, "q8_0"))
+        return out
+
+    return walk(params)
+
+
+def attach_draft_rows(params, rows: str):
+    """The compact rows a draft head keeps for the CPU kernel: "q8_0" (`attach_q8_0_rows`) or
+    "f16" (`attach_f16_rows`: the stored float16 values, exactly)."""
+    if rows not in DRAFT_ROWS:
+        raise ValueError(f"draft rows must be one of {DRAFT_ROWS}, got {rows!r}")
+    return attach_q8_0_rows(params) if rows == "q8_0" else attach_f16_rows(params)
+
+
 def attach_f16_rows(params):
     """Beside every 2-D Dense `kernel` [in, out] whose float32 values are all float16 numbers (a head
     stored in float16), keep them as float16 rows [out, in] ("f16"): `KernelDense` then reads half

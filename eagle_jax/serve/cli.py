@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul", default="auto", choices=("auto", "cpu_kernel", "xla"),
                    help="weight products: the AVX-512 few-row kernel (reads a GGUF model's Q4_1/Q8_0 blocks; same "
                         "float32 results), XLA's dot, or auto (the kernel on an AVX-512 CPU where it builds)")
+    p.add_argument("--draft-rows", default="q8_0", choices=("q8_0", "f16"),
+                   help="with the CPU kernel: the draft head quantised to Q8_0 (fastest drafting; output unchanged) "
+                        "or its float16 checkpoint values exactly")
     p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
                    help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
                         "or auto (unroll on CPU, scan elsewhere); the same numbers either way")
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
 
         cache = args.max_cache_len or (SERVING_CACHE_LEN if args.chat else None)
         engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=cache,
-                        layers=args.layers, matmul=args.matmul, method=method, drafter=args.drafter, budget=budget)
+                        layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows, method=method,
+                        drafter=args.drafter, budget=budget)
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         return _fail(str(e))
     if tune_path is not None:
@@ -195,7 +199,7 @@ def _serve(args, method: str, budget, tune_path=None) -> int:
             raise ValueError("--max-active, --max-waiting, --steps-per-turn and --default-max-tokens must be "
                              "at least 1")
         opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, tune_path=tune_path,
-                            dtype=args.dtype, layers=args.layers, matmul=args.matmul,
+                            dtype=args.dtype, layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows,
                             attention=args.attention, max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
                             cache_buckets=buckets,
                             max_active=args.max_active, max_waiting=args.max_waiting,
