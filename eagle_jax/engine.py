@@ -107,12 +107,10 @@ class Engine:
         from transformers import AutoTokenizer
 
         from .kernels.cpu_matmul import resolve_matmul_impl
-        from .models.quantized import attach_gguf_blocks
+        from .models.quantized import DRAFT_ROWS, attach_gguf_blocks
         from .models.registry import model_gguf
 
         check_layer_layout(layers)  # before any loading
-        from .models.quantized import DRAFT_ROWS
-
         if draft_rows not in DRAFT_ROWS:
             raise ValueError(f"draft_rows must be one of {DRAFT_ROWS}, got {draft_rows!r}")
         self.draft_rows = draft_rows

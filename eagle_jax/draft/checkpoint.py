@@ -417,8 +417,9 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
     `target_layers` (HF hidden_states indices) overrides the fused layers of an EAGLE-3 head;
     `dtype` defaults to the target's. Under the CPU kernel (`target_cfg.matmul_impl == "cpu_kernel"`)
     the head keeps compact rows for it: `rows` "q8_0" (quantised: the kernel reads a quarter of
-    float32's bytes) or "f16" (a float16 checkpoint's own values, exactly). Raises CheckpointError naming a missing / misshapen /
-    unexpected tensor or an incompatibility with the target, UnsupportedConfigError for config.json.
+    float32's bytes) or "f16" (a float16 checkpoint's own values, exactly). Raises CheckpointError
+    naming a missing / misshapen / unexpected tensor or an incompatibility with the target,
+    UnsupportedConfigError for config.json.
     """
     path = Path(path)
     cfg_file = path / "config.json"

@@ -78,10 +78,10 @@ def dense_attention(q_bthd, k_bshd, v_bshd, mask_bts):
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q_bthd.dtype)
 
 
-def cache_attention_usable(q_bthd, k_all) -> bool:
-    from ..kernels.cpu_attention import usable
+def _cpu_attention():
+    from ..kernels import cpu_attention  # imported on use: kernels/ imports this module
 
-    return usable(q_bthd, k_all)
+    return cpu_attention
 
 
 class RolloutKeys(NamedTuple):
@@ -134,8 +134,9 @@ class KernelDense(nn.Module):
     """`nn.Dense` (same parameters: kernel [in, out], optional bias) whose product goes through
     `kernels.cpu_matmul` (few rows, float32, AVX-512); larger products fall back to XLA's dot.
     When the params also hold the layer's GGUF blocks ("q4_1" / "q8_0", `models/quantized.py`),
-    few-row products read those instead: the same float32 result from a fifth of the bytes; float16
-    rows ("f16": a draft head stored in float16, `models.quantized.attach_f16_rows`) likewise."""
+    few-row products read those instead: the same float32 result from a fifth of the bytes. A draft
+    head's compact rows (`models.quantized.attach_draft_rows`: Q8_0 blocks, or float16 rows "f16")
+    are read the same way."""
 
     features: int
     use_bias: bool = False
@@ -215,10 +216,9 @@ class Attention(nn.Module):
                 length_b, bits_btw, q_pos_bt = mask_bts
                 out = tree_attention(q, k_all[layer], v_all[layer], length_b, k, v, bits_btw, q_pos_bt,
                                      window=cfg.sliding_window, impl="pallas")
-            elif cfg.matmul_impl == "cpu_kernel" and cache_attention_usable(q, k_all):
-                from ..kernels.cpu_attention import cache_attention  # reads the layer in place
-
-                out = cache_attention(q, k_all, v_all, layer, jnp.broadcast_to(mask_bts, (b, t, k_all.shape[2])))
+            elif cfg.matmul_impl == "cpu_kernel" and _cpu_attention().usable(q, k_all):  # the layer in place
+                mask_bts = jnp.broadcast_to(mask_bts, (b, t, k_all.shape[2]))
+                out = _cpu_attention().cache_attention(q, k_all, v_all, layer, mask_bts)
             else:
                 out = dense_attention(q, k_all[layer], v_all[layer], mask_bts)
             cache = (k_all, v_all)
