@@ -10,7 +10,7 @@
 //     q [B, T, H, D] f32, k/v [L, B, S, Hkv, D] f32, layer [] s32, mask [B, T, S] pred
 //
 // Numbers: scores and the softmax in float32 (exp by a degree-6 polynomial on a power-of-two
-// reduction, within 2 ulp of expf); a query with no visible key gets zeros, as the reference.
+// reduction, Cephes' expf coefficients); a query with no visible key gets zeros, as the reference.
 // Each query's result depends only on its own mask (slots summed in ascending order), so a query
 // gives the same bits whether it is verified in a tree or decoded alone.
 
