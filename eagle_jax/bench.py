@@ -307,7 +307,8 @@ def main(argv=None) -> int:
               "machine": machine_info(),
               "settings": {"prompts": args.prompts, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
-                           "attention": args.attention, "layers": engine.layers, "matmul": engine.cfg.matmul_impl, "draft_rows": engine.draft_rows,
+                           "attention": args.attention, "layers": engine.layers, "matmul": engine.cfg.matmul_impl,
+                           "draft_rows": engine.draft_rows,
                            "gguf_blocks": engine.quantized, "drafter": args.drafter,
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     if tuned:

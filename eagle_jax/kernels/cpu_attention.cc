@@ -67,7 +67,7 @@ struct Job {
     const float* vb = v + ((layer * B + b) * S) * row + kh * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const int64_t sp = (s_end + 15) / 16 * 16;
-    std::vector<float> p(Q * std::max<int64_t>(sp, 16), 0.0f);  // scores, then probabilities
+    std::vector<float> p(Q * sp, 0.0f);  // scores, then probabilities
     std::vector<float> acc(Q * D, 0.0f);
     // scores: q · k for visible slots (others stay -inf)
     for (int64_t qi = 0; qi < Q; ++qi) {

@@ -212,18 +212,24 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
 // ---------------------------------------------------------------- dispatch over rows and threads
 using BlockFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 
-BlockFn kn_fn(int t) {
-  switch (t) {
-    case 1: return kn_block<1, 4>;
-    case 2: return kn_block<2, 4>;
-    case 3: return kn_block<3, 4>;
-    case 4: return kn_block<4, 4>;
-    case 5: return kn_block<5, 2>;
-    case 6: return kn_block<6, 2>;
-    case 7: return kn_block<7, 2>;
-    default: return kn_block<8, 2>;
+// The <T rows of x, R rows of w a pass> instance of a float block kernel for t rows: R = 4 up to
+// 4 rows of x, else 2 (the T x R accumulators stay in registers).
+#define EAGLE_ROWS_FN(NAME, BLOCK)                                        \
+  BlockFn NAME(int t) {                                                   \
+    switch (t) {                                                          \
+      case 1: return BLOCK<1, 4>;                                         \
+      case 2: return BLOCK<2, 4>;                                         \
+      case 3: return BLOCK<3, 4>;                                         \
+      case 4: return BLOCK<4, 4>;                                         \
+      case 5: return BLOCK<5, 2>;                                         \
+      case 6: return BLOCK<6, 2>;                                         \
+      case 7: return BLOCK<7, 2>;                                         \
+      default: return BLOCK<8, 2>;                                        \
+    }                                                                     \
   }
-}
+EAGLE_ROWS_FN(kn_fn, kn_block)
+EAGLE_ROWS_FN(nk_fn, nk_block)
+EAGLE_ROWS_FN(h16_fn, h16_block)
 
 template <bool Q4>
 BlockFn q_fn(int t) {
@@ -236,32 +242,6 @@ BlockFn q_fn(int t) {
     case 6: return q_block<Q4, 6>;
     case 7: return q_block<Q4, 7>;
     default: return q_block<Q4, 8>;
-  }
-}
-
-BlockFn h16_fn(int t) {
-  switch (t) {
-    case 1: return h16_block<1, 4>;
-    case 2: return h16_block<2, 4>;
-    case 3: return h16_block<3, 4>;
-    case 4: return h16_block<4, 4>;
-    case 5: return h16_block<5, 2>;
-    case 6: return h16_block<6, 2>;
-    case 7: return h16_block<7, 2>;
-    default: return h16_block<8, 2>;
-  }
-}
-
-BlockFn nk_fn(int t) {
-  switch (t) {
-    case 1: return nk_block<1, 4>;
-    case 2: return nk_block<2, 4>;
-    case 3: return nk_block<3, 4>;
-    case 4: return nk_block<4, 4>;
-    case 5: return nk_block<5, 2>;
-    case 6: return nk_block<6, 2>;
-    case 7: return nk_block<7, 2>;
-    default: return nk_block<8, 2>;
   }
 }
 

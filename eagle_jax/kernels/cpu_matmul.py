@@ -138,8 +138,15 @@ def matmul(x: jax.Array, w: jax.Array, layout: str = "kn") -> jax.Array:
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or m > MAX_ROWS or m == 0 or not available():
         spec = "...k,kn->...n" if layout == "kn" else "...k,nk->...n"
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    call = jax.ffi.ffi_call(_TARGETS[layout], jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x.reshape(m, k), w).reshape(*lead, n)
+    return _rows_call(layout, x, n, w)
+
+
+def _rows_call(target: str, x: jax.Array, n: int, *weights) -> jax.Array:
+    """The custom call `target` on x[..., K] as float32 rows [M, K] → [..., n] float32."""
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    call = jax.ffi.ffi_call(_TARGETS[target], jax.ShapeDtypeStruct((m, n), jnp.float32))
+    return call(x.reshape(m, x.shape[-1]).astype(jnp.float32), *weights).reshape(*lead, n)
 
 
 def hmatmul(x: jax.Array, w_nk: jax.Array) -> jax.Array:
@@ -151,10 +158,7 @@ def hmatmul(x: jax.Array, w_nk: jax.Array) -> jax.Array:
         raise ValueError(f"hmatmul: float16 rows {tuple(w_nk.shape)} {w_nk.dtype} do not fit K={k} (K % 16 == 0)")
     if not available():
         raise RuntimeError(f"hmatmul needs the CPU matmul kernel, which is unavailable: {unavailable_reason()}")
-    lead = x.shape[:-1]
-    m = math.prod(lead)
-    call = jax.ffi.ffi_call(_TARGETS["f16"], jax.ShapeDtypeStruct((m, w_nk.shape[0]), jnp.float32))
-    return call(x.reshape(m, k).astype(jnp.float32), w_nk).reshape(*lead, w_nk.shape[0])
+    return _rows_call("f16", x, w_nk.shape[0], w_nk)
 
 
 def quant_kind(variables) -> str | None:
@@ -193,7 +197,4 @@ def qmatmul(x: jax.Array, blocks: jax.Array, kind: str, scales: jax.Array | None
         raise ValueError(f"qmatmul: scales {tuple(scales.shape)} do not fit {kind} rows {tuple(blocks.shape)}")
     if not available():
         raise RuntimeError(f"qmatmul needs the CPU matmul kernel, which is unavailable: {unavailable_reason()}")
-    lead = x.shape[:-1]
-    m = math.prod(lead)
-    call = jax.ffi.ffi_call(_TARGETS[kind], jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x.reshape(m, k).astype(jnp.float32), blocks, scales.astype(jnp.float32)).reshape(*lead, n)
+    return _rows_call(kind, x, n, blocks, scales.astype(jnp.float32))

@@ -121,6 +121,22 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
 DRAFT_ROWS = ("q8_0", "f16")
 
 
+def _with_dense_rows(params, rows_for):
+    """`params` with `rows_for(kernel)`'s entries merged into every 2-D float32 Dense node (those
+    with a "kernel"); `rows_for` returns the entries to add or replace, or {} to leave the node."""
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        w = node.get("kernel")
+        if w is not None and getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32:
+            out.update(rows_for(np.asarray(w)))
+        return out
+
+    return walk(params)
+
+
 def attach_q8_0_rows(params):
     """A draft head quantised for the CPU kernel: every 2-D Dense `kernel` [in, out] (in % 32 == 0)
     becomes GGUF Q8_0 rows [out, in/32 blocks] plus their float32 scales ("q8_0", "q8_0_scales"),
@@ -131,26 +147,14 @@ def attach_q8_0_rows(params):
 
     qt = GGMLQuantizationType.Q8_0
 
-    def walk(node):
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
-        w = node.get("kernel")
-        if w is not None and getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32 and w.shape[0] % 32 == 0:
-            blocks = quants.quantize(np.ascontiguousarray(np.asarray(w).T), qt)
-            out["kernel"] = jnp.asarray(np.ascontiguousarray(quants.dequantize(blocks, qt).astype(np.float32).T))
-            out["q8_0"], out["q8_0_scales"] = jnp.asarray(blocks), jnp.asarray(block_scales(blocks, "q8_0"))
-        return out
+    def rows_for(w):
+        if w.shape[0] % 32:
+            return {}
+        blocks = quants.quantize(np.ascontiguousarray(w.T), qt)
+        return {"kernel": jnp.asarray(np.ascontiguousarray(quants.dequantize(blocks, qt).astype(np.float32).T)),
+                "q8_0": jnp.asarray(blocks), "q8_0_scales": jnp.asarray(block_scales(blocks, "q8_0"))}
 
-    return walk(params)
-
-
-def attach_draft_rows(params, rows: str):
-    """The compact rows a draft head keeps for the CPU kernel: "q8_0" (`attach_q8_0_rows`) or
-    "f16" (`attach_f16_rows`: the stored float16 values, exactly)."""
-    if rows not in DRAFT_ROWS:
-        raise ValueError(f"draft rows must be one of {DRAFT_ROWS}, got {rows!r}")
-    return attach_q8_0_rows(params) if rows == "q8_0" else attach_f16_rows(params)
+    return _with_dense_rows(params, rows_for)
 
 
 def attach_f16_rows(params):
@@ -159,16 +163,18 @@ def attach_f16_rows(params):
     the bytes for the same float32 products (the kernel widens them exactly). A kernel that float16
     cannot hold exactly is left alone."""
 
-    def walk(node):
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
-        w = node.get("kernel")
-        if w is not None and getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32:
-            w_np = np.asarray(w)
-            h = w_np.astype(np.float16)
-            if np.array_equal(h.astype(np.float32), w_np) and w_np.shape[0] % 16 == 0:
-                out["f16"] = jnp.asarray(np.ascontiguousarray(h.T))
-        return out
+    def rows_for(w):
+        h = w.astype(np.float16)
+        if w.shape[0] % 16 or not np.array_equal(h.astype(np.float32), w):
+            return {}
+        return {"f16": jnp.asarray(np.ascontiguousarray(h.T))}
 
-    return walk(params)
+    return _with_dense_rows(params, rows_for)
+
+
+def attach_draft_rows(params, rows: str):
+    """The compact rows a draft head keeps for the CPU kernel: "q8_0" (`attach_q8_0_rows`) or
+    "f16" (`attach_f16_rows`: the stored float16 values, exactly)."""
+    if rows not in DRAFT_ROWS:
+        raise ValueError(f"draft rows must be one of {DRAFT_ROWS}, got {rows!r}")
+    return attach_q8_0_rows(params) if rows == "q8_0" else attach_f16_rows(params)
