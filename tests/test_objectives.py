@@ -10,7 +10,7 @@ import pytest
 from conftest import make_hf_model, twin
 from eagle_jax.draft import DraftConfig, fuse_features, head_logits, head_step, init_head
 from eagle_jax.models.decoder import KVCache, lm_logits
-from eagle_jax.training.objectives import ObjectiveConfig, make_loss_fn, teacher
+from eagle_jax.training.objectives import ObjectiveConfig, _shift, make_loss_fn, soft_ce_ahead, teacher
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +244,28 @@ def test_bfloat16_compute_trains_float32_params(setup, kind):
     assert np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99
     with pytest.raises(ValueError, match="compute_dtype"):
         ObjectiveConfig(kind, compute_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n", [1, 3])
+def test_soft_ce_ahead_is_log_softmax_against_the_shifted_target(dtype, n):
+    """The fused cross-entropy (value and its hand-written gradient) equals -Σ _shift(t_p, n) ·
+    log_softmax(logits) and that expression's autodiff gradient; the last n indices score 0."""
+    rng = np.random.default_rng(n)
+    logits = jnp.asarray(rng.standard_normal((2, 9, 13)) * 3, dtype)
+    t_p = jax.nn.softmax(jnp.asarray(rng.standard_normal((2, 9, 13)) * 2, jnp.float32), -1)
+    w = jnp.asarray(rng.random((2, 9)), jnp.float32)
+
+    def ref(lg):
+        logp = jax.nn.log_softmax(lg.astype(jnp.float32), -1)
+        return -jnp.sum(_shift(t_p, n) * logp, -1)
+
+    got = soft_ce_ahead(logits, t_p, n)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref(logits)), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got[:, -n:]) == 0)
+    g = jax.grad(lambda lg: jnp.sum(w * soft_ce_ahead(lg, t_p, n)))(logits)
+    g_ref = jax.grad(lambda lg: jnp.sum(w * ref(lg)))(logits.astype(jnp.float32))
+    assert g.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref), rtol=tol, atol=tol)
+    assert np.all(np.asarray(g[:, -n:]) == 0)

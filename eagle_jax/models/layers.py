@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .lowp_dense import LowpDense, use_lowp_dense
 
 
 class RMSNorm(nn.Module):
@@ -164,9 +165,13 @@ class KernelDense(nn.Module):
 
 
 def dense(cfg: ModelConfig, name: Optional[str], features: int, use_bias: bool) -> nn.Module:
-    """The model's linear layer: `nn.Dense`, or `KernelDense` when `cfg.matmul_impl == "cpu_kernel"`."""
+    """The model's linear layer: `nn.Dense`, `KernelDense` when `cfg.matmul_impl == "cpu_kernel"`, or
+    `LowpDense` (the same parameters) for bfloat16/float16 compute on the CPU backend."""
     dt = cfg.jnp_dtype
-    cls = KernelDense if cfg.matmul_impl == "cpu_kernel" else nn.Dense
+    if cfg.matmul_impl == "cpu_kernel":
+        cls = KernelDense
+    else:
+        cls = LowpDense if use_lowp_dense(dt) else nn.Dense
     return cls(features, use_bias=use_bias, dtype=dt, param_dtype=dt, name=name)
 
 
