@@ -2,11 +2,12 @@
 # The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in nine stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in eleven stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
-#      bf16 compute), stage 9 on sd4 + sd5 (stored too) — and an EAGLE-1 head on runs/sd
+#      bf16 compute), stage 9 on sd4 + sd5 (stored too), stages 10 and 11 add sd6 and sd7
+#      (LowpDense: bf16 products on the CPU's matrix units) — and an EAGLE-1 head on runs/sd
 #      (offline features for EAGLE-3, online for EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
@@ -46,17 +47,31 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage8.json "$@"
 # sd4's (--evals-skip 60); ids already in sd4 are dropped. Stage 9 trains the stage-8 head on sd4 + sd5.
 python -m eagle_jax.training.selfdistill --out runs/sd5 --max-new-tokens 256 --batch-size 16 \
   --sources evals,self-instruct --evals-per-subset 40 --evals-skip 60 --self-instruct-n 700 --seed 5 --no-eval
-[[ -f train/data/sd5.jsonl.gz ]] || python - <<'PY'
-import gzip, json
-seen = {json.loads(l)["id"] for l in gzip.open("train/data/sd4.jsonl.gz", "rt")}
-rows = [l for l in open("runs/sd5/train.jsonl") if json.loads(l)["id"] not in seen]
-with gzip.open("train/data/sd5.jsonl.gz", "wt") as f:
+store_new() {  # store_new NAME: runs/NAME/train.jsonl → train/data/NAME.jsonl.gz, minus ids stored already
+  [[ -f "train/data/$1.jsonl.gz" ]] || python - "$1" <<'PY'
+import glob, gzip, json, sys
+name = sys.argv[1]
+seen = {json.loads(l)["id"] for p in glob.glob("train/data/*.jsonl.gz") for l in gzip.open(p, "rt")}
+rows = [l for l in open(f"runs/{name}/train.jsonl") if json.loads(l)["id"] not in seen]
+with gzip.open(f"train/data/{name}.jsonl.gz", "wt") as f:
     f.writelines(rows)
 PY
+}
+store_new sd5
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage9.json "$@"
+# sd6 and sd7 (stored): new self-instruct questions (seeds 6 and 7). Stage 10 trains the stage-9 head
+# on sd4 + sd5 + sd6, stage 11 (the packaged head) stage 10's on sd4 … sd7.
+python -m eagle_jax.training.selfdistill --out runs/sd6 --sources self-instruct --self-instruct-n 700 \
+  --seed 6 --batch-size 8 --no-eval
+store_new sd6
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage10.json "$@"
+python -m eagle_jax.training.selfdistill --out runs/sd7 --sources self-instruct --self-instruct-n 1000 \
+  --seed 7 --batch-size 8 --no-eval
+store_new sd7
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage11.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage9/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage11/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
