@@ -341,3 +341,14 @@ def test_cli_runs_the_toy_job(tmp_path, capsys):
     assert summary["step"] == 3 and summary["train"]["step"] == 3 and "acc_2" in summary["eval"]
     assert json.loads((out / "config.json").read_text())["total_steps"] == 3
     assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "train").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    """A recipe's config must at least parse: known sections, a job, a valid train section, and data
+    files that the repository ships (train/data/…) present."""
+    config = load_config(str(path))
+    train = config["data"].get("train", []) if "data" in config else []
+    for f in [train] if isinstance(train, str) else train:
+        if f.startswith("train/data/"):
+            assert (ROOT / f).is_file(), f"{path.name}: {f} is not in the repository"
