@@ -12,21 +12,25 @@ from eagle_jax.draft import DraftConfig
 from eagle_jax.models.decoder import lm_logits
 from eagle_jax.training.data import make_dataset
 from eagle_jax.training.eagle_job import _feature_loader
-from eagle_jax.training.features import FeatureStore, cache_features
+from eagle_jax.training.features import FeatureStore, _pack_batch, cache_features
 from eagle_jax.training.objectives import teacher
 
 
-def test_cache_read_back_and_resume(tmp_path, rng):
+@pytest.mark.parametrize("pack", [True, False])
+def test_cache_read_back_and_resume(tmp_path, rng, pack):
+    """Each example's stored features equal the teacher on that example alone, whether examples
+    share rows (packed: 5 + 9, then 3 + 12, …) or not, and across a resumed run."""
     cfg, params = twin(make_hf_model("llama"))
     dc = DraftConfig.for_target("eagle3", cfg, draft_vocab_size=50, target_layers=(0, 1, 2))
     examples = [{"input_ids": rng.integers(0, cfg.vocab_size, n)} for n in (5, 9, 3, 12, 7)]
     cache_features(params, cfg, dc, examples[:3], tmp_path, batch_size=2, seq_len=16, dtype="float32",
-                   progress=False)
+                   progress=False, pack=pack)
     meta = json.loads((tmp_path / "index.json").read_text())
     assert meta["num_examples"] == 3
     with open(tmp_path / "features.bin", "ab") as f:  # a killed run left a partial write behind
         f.write(b"\0" * 100)
-    cache_features(params, cfg, dc, examples, tmp_path, batch_size=2, seq_len=16, dtype="float32", progress=False)
+    cache_features(params, cfg, dc, examples, tmp_path, batch_size=2, seq_len=16, dtype="float32", progress=False,
+                   pack=pack)
     store = FeatureStore(tmp_path)
     assert len(store) == 5
     for i, ex in enumerate(examples):
@@ -63,6 +67,24 @@ def test_resume_refuses_another_data_set(tmp_path, rng):
     store = FeatureStore(tmp_path)
     assert len(store) == 4 and store.meta["digests"] is None
     np.testing.assert_array_equal(store[3][2], store[0][2])
+
+
+def test_pack_batch_layout():
+    """Consecutive examples, as many as fit, placed longest first into the first row with room (so
+    a later short one fills an earlier gap); spans in example order; each example its own segment
+    id and positions from 0; an over-long example cut to the row; unpacked: one per row."""
+    examples = [{"input_ids": np.arange(100 * k, 100 * k + n)} for k, n in enumerate((5, 9, 3, 12, 2, 20, 1))]
+    ids, seg, pos, spans = _pack_batch(examples, 0, 2, 16, True)
+    # 12 → row 0, 9 → row 1, 5 → row 1, 3 → row 0, 2 → row 1 (16 tokens each); the 20 does not fit
+    assert spans == [(1, 9, 5), (1, 0, 9), (0, 12, 3), (0, 0, 12), (1, 14, 2)]
+    np.testing.assert_array_equal(ids[1], np.concatenate([np.arange(100, 109), np.arange(0, 5), [400, 401]]))
+    np.testing.assert_array_equal(seg[0], [4] * 12 + [3] * 3 + [0])
+    np.testing.assert_array_equal(pos[0, :15], list(range(12)) + list(range(3)))
+    ids, seg, pos, spans = _pack_batch(examples, 5, 2, 16, True)
+    assert spans == [(0, 0, 16), (1, 0, 1)]
+    np.testing.assert_array_equal(ids[0], np.arange(500, 516))
+    _, _, _, spans = _pack_batch(examples, 0, 3, 16, False)
+    assert spans == [(0, 0, 5), (1, 0, 9), (2, 0, 3)]
 
 
 @pytest.mark.parametrize("pack", [False, True])

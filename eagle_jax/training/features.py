@@ -77,9 +77,57 @@ def _check_prefix(meta: dict, examples: Sequence[dict], seq_len: int, out: Path)
                              f"use a new feature_dir")
 
 
+def _first_fit(lengths: Sequence[int], rows: int, seq_len: int):
+    """Columns [(row, first column)] placing `lengths` into `rows` rows of seq_len, first fit in
+    decreasing length (longest first); None when they do not fit."""
+    free = [seq_len] * rows
+    place: list = [None] * len(lengths)
+    for j in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        r = next((r for r in range(rows) if free[r] >= lengths[j]), None)
+        if r is None:
+            return None
+        place[j] = (r, seq_len - free[r])
+        free[r] -= lengths[j]
+    return place
+
+
+def _pack_batch(examples: Sequence[dict], start: int, rows: int, seq_len: int, pack: bool):
+    """Rows [rows, seq_len] of ids, segment ids (0 = padding) and positions holding examples
+    start, start + 1, … (as many as fit; packed: first fit in decreasing length, so a short example
+    fills the gap an earlier long one left), and spans [(row, first column, length)], one per
+    example, in example order."""
+    toks = []
+    place = []
+    for i in range(start, min(len(examples), start + (rows * seq_len if pack else rows))):
+        t = np.asarray(examples[i]["input_ids"])[:seq_len]
+        if pack:
+            trial = _first_fit([len(x) for x in toks] + [len(t)], rows, seq_len)
+            if trial is None:
+                break
+            place = trial
+        else:
+            place.append((len(toks), 0))
+        toks.append(t)
+    ids = np.zeros((rows, seq_len), np.int32)
+    seg = np.zeros((rows, seq_len), np.int32)
+    pos = np.zeros((rows, seq_len), np.int32)
+    spans = []
+    for k, (t, (r, col)) in enumerate(zip(toks, place)):
+        ids[r, col:col + len(t)] = t
+        seg[r, col:col + len(t)] = k + 1
+        pos[r, col:col + len(t)] = np.arange(len(t))
+        spans.append((r, col, len(t)))
+    return ids, seg, pos, spans
+
+
 def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequence[dict], out_dir, *,
-                   batch_size: int = 8, seq_len: int = 512, dtype: str = "float16", progress: bool = True) -> Path:
-    """Compute and store the teacher features of `examples` (dicts with "input_ids") in order."""
+                   batch_size: int = 8, seq_len: int = 512, dtype: str = "float16", progress: bool = True,
+                   pack: bool = True) -> Path:
+    """Compute and store the teacher features of `examples` (dicts with "input_ids") in order.
+
+    `pack`: consecutive examples share a row (each attends only to itself, positions restart at 0),
+    so a batch holds about seq_len / mean length examples per row instead of one; the stored
+    features are the same as one example per row (up to float summation order)."""
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -98,8 +146,9 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
         if "digests" not in meta:  # written before digests: the new examples get theirs from here on
             meta["digests"] = None
     done = meta["num_examples"]
-    def fn_(ids):
-        feats, hidden = teacher(target_params, tcfg, head_cfg, ids)
+
+    def fn_(ids, seg, pos):
+        feats, hidden = teacher(target_params, tcfg, head_cfg, ids, seg, pos)
         return feats, hidden, target_argmax(target_params, tcfg, hidden)
 
     fn = jax.jit(fn_)
@@ -113,31 +162,27 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
         ff.truncate(total * meta["feature_size"] * item)
         fh.truncate(total * meta["hidden_size"] * item)
         fa.truncate(total * 4)
-        for start in range(done, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
-            ids = np.zeros((batch_size, seq_len), np.int32)
-            lens = []
-            for r, ex in enumerate(chunk):
-                t = np.asarray(ex["input_ids"])[:seq_len]
-                ids[r, :len(t)] = t
-                lens.append(len(t))
-            feats, hidden, amax = jax.device_get(fn(jnp.asarray(ids)))
-            for r, n in enumerate(lens):
-                ff.write(np.ascontiguousarray(feats[r, :n], dtype).tobytes())
-                fh.write(np.ascontiguousarray(hidden[r, :n], dtype).tobytes())
-                fa.write(np.ascontiguousarray(amax[r, :n], np.int32).tobytes())
+        start = done
+        while start < len(examples):
+            ids, seg, pos, spans = _pack_batch(examples, start, batch_size, seq_len, pack)
+            feats, hidden, amax = jax.device_get(fn(jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(pos)))
+            for r, a, n in spans:  # the examples in order: row r, columns a … a + n
+                ff.write(np.ascontiguousarray(feats[r, a:a + n], dtype).tobytes())
+                fh.write(np.ascontiguousarray(hidden[r, a:a + n], dtype).tobytes())
+                fa.write(np.ascontiguousarray(amax[r, a:a + n], np.int32).tobytes())
                 meta["offsets"].append(int(total))
                 meta["lengths"].append(int(n))
                 if meta["digests"] is not None:
-                    meta["digests"].append(example_digest(ids[r, :n]))
+                    meta["digests"].append(example_digest(ids[r, a:a + n]))
                 total += n
             ff.flush()
             fh.flush()
             fa.flush()
-            meta["num_examples"] = start + len(chunk)
+            start += len(spans)
+            meta["num_examples"] = start
             tmp = index.with_suffix(".tmp")
             tmp.write_text(json.dumps(meta))
             tmp.replace(index)  # the index only ever names fully written examples
-            bar.update(len(chunk))
+            bar.update(len(spans))
     bar.close()
     return out
