@@ -2,12 +2,12 @@
 # The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in eleven stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in twelve stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
 #      bf16 compute), stage 9 on sd4 + sd5 (stored too), stages 10 and 11 add sd6 and sd7
-#      (LowpDense: bf16 products on the CPU's matrix units) — and an EAGLE-1 head on runs/sd
+#      (LowpDense: bf16 products on the CPU's matrix units), stage 12 adds sd8 — and an EAGLE-1 head on runs/sd
 #      (offline features for EAGLE-3, online for EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
@@ -69,9 +69,15 @@ python -m eagle_jax.training.selfdistill --out runs/sd7 --sources self-instruct 
   --seed 7 --batch-size 8 --no-eval
 store_new sd7
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage11.json "$@"
+# sd8 (stored): 979 new self-instruct questions (seed 8). Stage 12 (the packaged head) trains stage
+# 11's head on sd4 … sd8 with a new feature store (runs/features-eagle3-sd4-sd8, all of it computed).
+python -m eagle_jax.training.selfdistill --out runs/sd8 --sources self-instruct --self-instruct-n 1000 \
+  --seed 8 --batch-size 8 --no-eval
+store_new sd8
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage12.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage11/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage12/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
