@@ -1,5 +1,6 @@
 """Offline target features: cached once, read back equal to the online teacher, resumable."""
 
+import dataclasses
 import json
 
 import jax
@@ -68,6 +69,25 @@ def test_resume_refuses_another_data_set(tmp_path, rng):
     assert len(store) == 4 and store.meta["digests"] is None
     np.testing.assert_array_equal(store[3][2], store[0][2])
 
+
+def test_resume_refuses_another_target_dtype(tmp_path, rng):
+    """Features the target computed in one dtype are not extended by another's (model.dtype changed
+    between runs); a store from before the dtype was recorded is extended as before."""
+    cfg, params = twin(make_hf_model("llama"))
+    dc = DraftConfig.for_target("eagle3", cfg, draft_vocab_size=50, target_layers=(0, 1, 2))
+    examples = [{"input_ids": rng.integers(0, cfg.vocab_size, n)} for n in (5, 9, 3)]
+    kw = dict(batch_size=2, seq_len=16, dtype="float32", progress=False)
+    cache_features(params, cfg, dc, examples[:2], tmp_path, **kw)
+    assert json.loads((tmp_path / "index.json").read_text())["target_dtype"] == "float32"
+    bcfg = dataclasses.replace(cfg, dtype="bfloat16")
+    bparams = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    with pytest.raises(ValueError, match="computed in float32, not bfloat16"):
+        cache_features(bparams, bcfg, dc, examples, tmp_path, **kw)
+    meta = json.loads((tmp_path / "index.json").read_text())
+    del meta["target_dtype"]
+    (tmp_path / "index.json").write_text(json.dumps(meta))
+    cache_features(params, cfg, dc, examples, tmp_path, **kw)
+    assert len(FeatureStore(tmp_path)) == 3
 
 def test_pack_batch_layout():
     """Consecutive examples, as many as fit, placed longest first into the first row with room (so

@@ -136,11 +136,14 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
     capture = tuple(head_cfg.target_layers) if head_cfg.kind == "eagle3" else (tcfg.num_layers,)
     meta = {"num_examples": 0, "feature_size": tcfg.hidden_size * len(capture), "hidden_size": tcfg.hidden_size,
             "dtype": dtype, "offsets": [], "lengths": [], "digests": [], "capture": list(capture),
-            "kind": head_cfg.kind}
+            "kind": head_cfg.kind, "target_dtype": tcfg.dtype}
     if index.exists():
         old = json.loads(index.read_text())
         if old["capture"] != meta["capture"] or old["dtype"] != dtype:
             raise ValueError(f"{out} holds features of another configuration ({old['capture']}, {old['dtype']})")
+        if old.get("target_dtype", tcfg.dtype) != tcfg.dtype:  # stores written before the key: not checked
+            raise ValueError(f"{out} holds features the target computed in {old['target_dtype']}, not "
+                             f"{tcfg.dtype} (model.dtype): use another feature_dir or the same dtype")
         meta = old
         _check_prefix(meta, examples, seq_len, out)
         if "digests" not in meta:  # written before digests: the new examples get theirs from here on
