@@ -60,7 +60,7 @@ PY
 store_new sd5
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage9.json "$@"
 # sd6 and sd7 (stored): new self-instruct questions (seeds 6 and 7). Stage 10 trains the stage-9 head
-# on sd4 + sd5 + sd6, stage 11 (the packaged head) stage 10's on sd4 … sd7.
+# on sd4 + sd5 + sd6, stage 11 stage 10's on sd4 … sd7.
 python -m eagle_jax.training.selfdistill --out runs/sd6 --sources self-instruct --self-instruct-n 700 \
   --seed 6 --batch-size 8 --no-eval
 store_new sd6
