@@ -75,6 +75,11 @@ python -m eagle_jax.training.selfdistill --out runs/sd8 --sources self-instruct 
   --seed 8 --batch-size 8 --no-eval
 store_new sd8
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage12.json "$@"
+# sd9 (stored): 981 new self-instruct questions (seed 9), data for stage 13
+# (configs/train/smollm2_eagle3_cpu_stage13.json: stage 12's head on sd4 … sd9; not packaged yet).
+python -m eagle_jax.training.selfdistill --out runs/sd9 --sources self-instruct --self-instruct-n 1000 \
+  --seed 9 --batch-size 8 --no-eval
+store_new sd9
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
