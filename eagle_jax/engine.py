@@ -157,6 +157,8 @@ class Engine:
         drafter: "default" (the packaged head for the default target), a directory in the released
         EAGLE layouts, "random" (a seeded random head: low acceptance, for testing) or "oracle"
         (the target drafting for itself: maximal acceptance, for testing and upper bounds).
+        budget: the tree; by default the one serve and bench pick without tree flags (tuned on this
+        device before, else packaged for this platform, else `default_budget`).
         """
         if method not in SPEC_METHODS:
             raise ValueError(f"unknown method {method!r}; choose from vanilla, {', '.join(SPEC_METHODS)}")
@@ -166,6 +168,10 @@ class Engine:
             raise ValueError(f"method {method} needs an {want.upper().replace('EAGLE', 'EAGLE-')} head, "
                              f"but the drafter is {head.cfg.kind}")
         self.heads[method] = head
+        if budget is None and isinstance(drafter, str):  # what serve and bench run without tree flags
+            from .autotune import resolve_budget
+
+            budget = resolve_budget(self.model_spec, method, drafter, None)[0]
         self.budgets[method] = budget or default_budget(method)
 
     def _load_head(self, method: str, spec: str) -> DraftHead:

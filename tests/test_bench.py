@@ -117,6 +117,13 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
 
     assert resolve_budget(str(tiny_hf_dir), "eagle3", "random", None)[0].total_tokens == best["total_tokens"]
     assert resolve_budget(str(tiny_hf_dir), "eagle3", "random", 5)[0].total_tokens == 5  # explicit flags win
+    # so does the library: an Engine given no budget runs the same tree as serve
+    from eagle_jax.engine import Engine, default_budget
+
+    engine = Engine(str(tiny_hf_dir), method="eagle3", drafter="random", progress=False)
+    assert engine.budgets["eagle3"].total_tokens == best["total_tokens"]
+    engine.add_method("eagle2", "random")  # nothing tuned or packaged for it: the default tree
+    assert engine.budgets["eagle2"] == default_budget("eagle2")
     # a later benchmark without tree flags measures what serve runs: the saved budget, not the 24-token default
     assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "3",
                        "--methods", "vanilla,eagle3", "--drafter", "random", "--profile-reps", "0", "--json"]) == 0
