@@ -78,6 +78,7 @@ self_instruct_set sd8 1000 8
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage12.json "$@"
 self_instruct_set sd9 1000 9
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage13.json "$@"
+self_instruct_set sd10 500 10  # data for a stage 14 (stored; not trained on yet)
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
