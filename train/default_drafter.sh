@@ -81,6 +81,7 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage13.json "$@"
 self_instruct_set sd10 500 10
 self_instruct_set sd11 1000 11
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage14.json "$@"
+self_instruct_set sd12 400 12  # data for a stage 15 (stored; not trained on yet)
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
