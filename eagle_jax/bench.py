@@ -194,14 +194,13 @@ def summarize(rows: dict) -> dict:
                     hist[a] = hist.get(a, 0) + 1
             out[m]["accept_length_histogram"] = dict(sorted(hist.items()))
             out[m]["alpha"] = acceptance_curve(hist)
-    for ref in ("vanilla", "hf"):
-        if ref in out and out[ref]["tokens_per_s"]:
-            for m in out:
-                out[m][f"speedup_vs_{ref}"] = out[m]["tokens_per_s"] / out[ref]["tokens_per_s"]
-    if out.get("vanilla", {}).get("loop_tokens_per_s"):
-        for m in out:
-            if "loop_tokens_per_s" in out[m]:
-                out[m]["loop_speedup_vs_vanilla"] = out[m]["loop_tokens_per_s"] / out["vanilla"]["loop_tokens_per_s"]
+    for key, ref, name in (("tokens_per_s", "vanilla", "speedup_vs_vanilla"), ("tokens_per_s", "hf", "speedup_vs_hf"),
+                           ("loop_tokens_per_s", "vanilla", "loop_speedup_vs_vanilla")):
+        base = out.get(ref, {}).get(key)
+        if base:
+            for r in out.values():
+                if key in r:
+                    r[name] = r[key] / base
     if "vanilla" in rows:
         for m in rows:
             if m != "vanilla":

@@ -7,9 +7,9 @@
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
 #      bf16 compute), stage 9 on sd4 + sd5 (stored too), stages 10 and 11 add sd6 and sd7
-#      (LowpDense: bf16 products on the CPU's matrix units), stages 12 and 13 add sd8 and sd9, stage 14 sd10 + sd11 — and an
-#      EAGLE-1 head on runs/sd
-#      (offline features for EAGLE-3, online for EAGLE-1);
+#      (LowpDense: bf16 products on the CPU's matrix units), stages 12 and 13 add sd8 and sd9, stage
+#      14 sd10 + sd11 — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for
+#      EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -62,8 +62,8 @@ store_new sd5
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage9.json "$@"
 # sd6 … sd9 (stored): new self-instruct questions written by the target, one seed per set (ids an
 # earlier set already has are dropped). Each stage trains the previous stage's head on every stored
-# set so far: stage 10 on sd4 … sd6, stage 11 adds sd7, stage 12 sd8, stage 13 (the packaged head)
-# sd9, stage 14 sd10 and sd11; stages 12 … 14 share one packed feature store
+# set so far: stage 10 on sd4 … sd6, stage 11 adds sd7, stage 12 sd8, stage 13 sd9, stage 14 (the
+# packaged head) sd10 and sd11; stages 12 … 14 share one packed feature store
 # (runs/features-eagle3-sd4-sd8, extended at its end by stages 13 and 14).
 self_instruct_set() {  # self_instruct_set NAME N SEED: N new self-instruct conversations, stored
   python -m eagle_jax.training.selfdistill --out "runs/$1" --sources self-instruct --self-instruct-n "$2" \
