@@ -441,6 +441,63 @@ def test_seed_topics():
     assert 100 <= len(topics) <= 200 and len(set(topics)) == len(topics)
 
 
+def _fake_stdlib(root):
+    doc = "Return the {} of the numbers in seq, ignoring values that are None."
+    (root / "stats.py").write_text(
+        "import os\n\n"
+        f"def mean(seq, skip=True):\n    \"\"\"{doc.format('mean')}\n\n    More words here.\n    \"\"\"\n    return 0\n\n"
+        "def short(x):\n    \"\"\"Too short.\"\"\"\n\n"
+        f"def _private(x):\n    \"\"\"{doc.format('private')}\"\"\"\n\n"
+        f"def noargs():\n    \"\"\"{doc.format('nothing')}\"\"\"\n\n"
+        "class Acc(object):\n"
+        f"    def add(self, value):\n        \"\"\"{doc.format('sum')}\n\n        Second paragraph.\n        \"\"\"\n        pass\n\n"
+        f"    def reset(self):\n        \"\"\"{doc.format('reset')}\"\"\"\n\n"
+        f"    @property\n    def total(self, x):\n        \"\"\"{doc.format('total')}\"\"\"\n\n"
+        f"    @staticmethod\n    def scale(x):\n        \"\"\"{doc.format('scale')}\"\"\"\n")
+    for sub in ("test", "idlelib", "pkg"):
+        (root / sub).mkdir()
+        (root / sub / "__init__.py").write_text(f"def helper(a):\n    \"\"\"{doc.format(sub)}\"\"\"\n")
+    (root / "broken.py").write_text("def f(:\n")
+
+
+def test_stdlib_code_prompts_pick_documented_public_functions(tmp_path):
+    import ast
+
+    from eagle_jax.training import code_prompts as C
+
+    _fake_stdlib(tmp_path)
+    items = C.stdlib_functions(tmp_path)
+    # no private, undocumented, argument-less or property ones; no tests, no GUI tool; broken files skipped
+    assert [p["id"] for p in items] == ["stdlib-pkg.helper", "stdlib-stats.mean", "stdlib-stats.Acc.add",
+                                        "stdlib-stats.Acc.scale"]
+    mean = items[1]["prompt"]
+    assert mean.startswith("Complete the following Python function.") and "return 0" not in mean
+    code = mean.split("```python\n")[1].rsplit("\n```", 1)[0]
+    fn = ast.parse(code).body[0]  # the signature and the docstring, re-indented, nothing else
+    assert fn.name == "mean" and len(fn.body) == 1 and ast.get_docstring(fn).endswith("More words here.")
+    add = items[2]["prompt"]
+    assert "method of the Python class Acc" in add and "class Acc(object):" in add and "pass" not in add
+    cls = ast.parse(add.split("```python\n")[1].rsplit("\n```", 1)[0]).body[0]
+    assert [type(n).__name__ for n in cls.body] == ["Expr", "FunctionDef"]
+    assert ast.get_docstring(cls.body[1]).splitlines()[-1] == "Second paragraph."
+    assert "@staticmethod" not in items[3]["prompt"]
+    pick = C.stdlib_code_prompts(2, seed=3, root=tmp_path)
+    assert pick == C.stdlib_code_prompts(2, seed=3, root=tmp_path) and len(pick) == 2
+    assert all(p in items for p in pick) and C.stdlib_code_prompts(None, root=tmp_path) == items
+
+
+def test_stdlib_code_source_of_this_interpreter(tmp_path):
+    from eagle_jax.training import code_prompts as C
+
+    items = C.stdlib_functions()
+    assert len(items) > 500 and len({p["id"] for p in items}) == len(items)
+    counts = {}
+    train, evals = SD.collect_prompts(None, ["stdlib-code"], tmp_path, stdlib_code_n=40, seed=1, counts=counts)
+    assert counts["stdlib-code"]["available"] >= 38 and {p["source"] for p in train} == {"stdlib-code"}
+    assert {p["id"] for p in train} <= {p["id"] for p in items}
+    assert len(evals) == 80 and not {p["prompt"] for p in train} & {p["prompt"] for p in evals}
+
+
 # ---------------------------------------------------------------------------------- self-distill files
 def test_plan_batches_cover_once():
     lengths = list(np.random.default_rng(0).integers(5, 300, size=53))

@@ -2,7 +2,8 @@
 
 EAGLE-3 trains its drafter on the target's own outputs, so the head learns the distribution it
 will be asked to predict. This tool collects prompts (HumanEval train split, OpenAI-evals
-questions, self-instruct questions the target writes from seed topics), generates replies with the
+questions, self-instruct questions the target writes from seed topics, HumanEval-style requests
+for standard-library functions: training/code_prompts.py), generates replies with the
 target by continuous batching (a finished row takes the next prompt while the others keep decoding:
 `decode_refill`; one cache length for the run, fitted to 90% of the prompts; longer prompts, and
 everything with `--no-continuous`, go in whole batches of `generate_tokens`, one cache-length bucket
@@ -34,7 +35,8 @@ import numpy as np
 
 from . import prompts as P
 
-SOURCES = ("humaneval", "evals", "self-instruct")
+SOURCES = ("humaneval", "evals", "self-instruct", "stdlib-code")
+DEFAULT_SOURCES = ("humaneval", "evals", "self-instruct")  # stdlib-code is asked for by name
 
 
 def _log(msg: str) -> None:
@@ -79,7 +81,7 @@ def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
 # ---------------------------------------------------------------------------------- prompts
 def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instruct_n: int = 300,
                     evals_per_subset: int = 12, evals_skip: int = 0, limit: Optional[int] = None, seed: int = 0,
-                    counts: Optional[dict] = None) -> tuple[list[dict], list[dict]]:
+                    counts: Optional[dict] = None, stdlib_code_n: int = 600) -> tuple[list[dict], list[dict]]:
     """(train prompts, eval prompts). Training prompts are deduplicated and filtered against every
     held-out prompt; self-instruct questions are cached in `<out>/self_instruct_prompts.jsonl`.
     `limit` caps the training prompts per source (the first `limit` after a seeded shuffle)."""
@@ -122,6 +124,10 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
             have = have + new
         add("self-instruct", have[:want])
         counts["self-instruct"]["generation"] = si_stats
+    if "stdlib-code" in sources:
+        from .code_prompts import stdlib_code_prompts
+
+        add("stdlib-code", stdlib_code_prompts(stdlib_code_n, seed=seed))
     evals = [dict(p, source=p["source"]) for p in held]
     counts["eval"] = {"eval-chat": sum(p["source"] == "eval-chat" for p in evals),
                       "eval-code": sum(p["source"] == "eval-code" for p in evals)}
@@ -382,9 +388,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eagle_jax.training.selfdistill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/work/data/sd", help="output directory")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
+    ap.add_argument("--sources", default=",".join(DEFAULT_SOURCES),
+                    help=f"comma list of {', '.join(SOURCES)} (default: {', '.join(DEFAULT_SOURCES)})")
     ap.add_argument("--limit", type=int, default=None, help="at most N training prompts per source")
     ap.add_argument("--self-instruct-n", type=int, default=300)
+    ap.add_argument("--stdlib-code-n", type=int, default=600,
+                    help="stdlib-code: how many standard-library functions (a seeded choice by --seed)")
     ap.add_argument("--evals-per-subset", type=int, default=12)
     ap.add_argument("--evals-skip", type=int, default=0,
                     help="skip the first N of each eval's seeded order (the prompts an earlier dataset used)")
@@ -425,7 +434,8 @@ def main(argv=None) -> int:
     counts: dict = {}
     train, evals = collect_prompts(engine, sources, out, self_instruct_n=args.self_instruct_n,
                                    evals_per_subset=args.evals_per_subset, evals_skip=args.evals_skip,
-                                   limit=args.limit, seed=args.seed, counts=counts)
+                                   limit=args.limit, seed=args.seed, counts=counts,
+                                   stdlib_code_n=args.stdlib_code_n)
     _log("prompts: " + json.dumps(counts))
     d = Distiller(engine, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
