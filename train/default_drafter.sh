@@ -62,9 +62,9 @@ store_new sd5
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage9.json "$@"
 # sd6 … sd9 (stored): new self-instruct questions written by the target, one seed per set (ids an
 # earlier set already has are dropped). Each stage trains the previous stage's head on every stored
-# set so far: stage 10 on sd4 … sd6, stage 11 adds sd7, stage 12 sd8, stage 13 sd9, stage 14 (the
-# packaged head) sd10 and sd11; stages 12 … 14 share one packed feature store
-# (runs/features-eagle3-sd4-sd8, extended at its end by stages 13 and 14).
+# set so far: stage 10 on sd4 … sd6, stage 11 adds sd7, stage 12 sd8, stage 13 sd9, stage 14 sd10
+# and sd11, stage 15 (the packaged head) sd12, sd13 and code1; stages 12 … 15 share one packed
+# feature store (runs/features-eagle3-sd4-sd8, extended at its end by stages 13, 14 and 15).
 self_instruct_set() {  # self_instruct_set NAME N SEED: N new self-instruct conversations, stored
   python -m eagle_jax.training.selfdistill --out "runs/$1" --sources self-instruct --self-instruct-n "$2" \
     --seed "$3" --batch-size 8 --no-eval
@@ -81,10 +81,18 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage13.json "$@"
 self_instruct_set sd10 500 10
 self_instruct_set sd11 1000 11
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage14.json "$@"
-self_instruct_set sd12 400 12  # data for a stage 15 (stored; not trained on yet)
+self_instruct_set sd12 400 12
+self_instruct_set sd13 600 13
+# code1 (stored): HumanEval-style requests for 800 standard-library functions and methods (the
+# held-out code prompts' form; training/code_prompts.py), the target's replies. Stage 15 trains
+# stage 14's head on sd4 … sd13 and code1.
+python -m eagle_jax.training.selfdistill --out runs/code1 --sources stdlib-code --stdlib-code-n 800 --seed 1 \
+  --batch-size 8 --no-eval
+store_new code1
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage15.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage14/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage15/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
