@@ -484,6 +484,8 @@ def test_stdlib_code_prompts_pick_documented_public_functions(tmp_path):
     pick = C.stdlib_code_prompts(2, seed=3, root=tmp_path)
     assert pick == C.stdlib_code_prompts(2, seed=3, root=tmp_path) and len(pick) == 2
     assert all(p in items for p in pick) and C.stdlib_code_prompts(None, root=tmp_path) == items
+    rest = C.stdlib_code_prompts(5, root=tmp_path, exclude={"stdlib-stats.mean", "stdlib-pkg.helper"})
+    assert [p["id"] for p in rest] == ["stdlib-stats.Acc.add", "stdlib-stats.Acc.scale"]
 
 
 def test_stdlib_code_source_of_this_interpreter(tmp_path):
@@ -496,6 +498,20 @@ def test_stdlib_code_source_of_this_interpreter(tmp_path):
     assert counts["stdlib-code"]["available"] >= 38 and {p["source"] for p in train} == {"stdlib-code"}
     assert {p["id"] for p in train} <= {p["id"] for p in items}
     assert len(evals) == 80 and not {p["prompt"] for p in train} & {p["prompt"] for p in evals}
+    # a second set leaves out the ids a stored set has (`--exclude-ids-from`), and still finds 40
+    import gzip
+
+    with gzip.open(tmp_path / "stored.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"id": p["id"], "conversations": []}) + "\n" for p in train)
+    gone = SD.stored_ids([str(tmp_path / "*.jsonl.gz")])
+    assert gone == {p["id"] for p in train}
+    counts = {}
+    again, _ = SD.collect_prompts(None, ["stdlib-code"], tmp_path, stdlib_code_n=40, seed=1, counts=counts,
+                                  exclude_ids=gone)
+    assert not {p["id"] for p in again} & gone and counts["stdlib-code"]["available"] >= 38
+    assert counts["stdlib-code"]["excluded"] == len(gone)
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        SD.stored_ids([str(tmp_path / "nothing-*.jsonl")])
 
 
 # ---------------------------------------------------------------------------------- self-distill files

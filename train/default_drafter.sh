@@ -90,6 +90,11 @@ python -m eagle_jax.training.selfdistill --out runs/code1 --sources stdlib-code 
   --batch-size 8 --no-eval
 store_new code1
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage15.json "$@"
+# code2 (stored; data for a stage 16, not trained on yet): 800 more standard-library functions,
+# chosen among those no stored set has.
+python -m eagle_jax.training.selfdistill --out runs/code2 --sources stdlib-code --stdlib-code-n 800 --seed 2 \
+  --exclude-ids-from 'train/data/*.jsonl.gz' --batch-size 8 --no-eval
+store_new code2
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"

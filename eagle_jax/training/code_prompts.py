@@ -20,7 +20,7 @@ import ast
 import copy
 import sysconfig
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Collection, Iterator, Optional
 
 import numpy as np
 
@@ -45,7 +45,8 @@ def _module_name(rel: Path) -> str:
 def _stub(fn: ast.FunctionDef) -> ast.FunctionDef:
     """The function with its body cut to its docstring, re-indented to the body (decorators dropped)."""
     lines = ast.get_docstring(fn).splitlines()  # cleaned: common indentation removed
-    doc = lines[0] if len(lines) == 1 else "\n".join([lines[0]] + ["    " + ln if ln else "" for ln in lines[1:]] + ["    "])
+    rest = ["    " + ln if ln else "" for ln in lines[1:]]
+    doc = "\n".join([lines[0], *rest, "    "]) if rest else lines[0]
     stub = copy.deepcopy(fn)
     stub.body = [ast.Expr(ast.Constant(doc))]
     stub.decorator_list = []
@@ -110,9 +111,11 @@ def stdlib_functions(root: Optional[Path] = None) -> list[dict]:
     return out
 
 
-def stdlib_code_prompts(n: Optional[int] = None, seed: int = 0, root: Optional[Path] = None) -> list[dict]:
-    """A seeded choice of `n` candidates (all when n is None), returned in the candidates' order."""
-    items = stdlib_functions(root)
+def stdlib_code_prompts(n: Optional[int] = None, seed: int = 0, root: Optional[Path] = None,
+                        exclude: Collection[str] = ()) -> list[dict]:
+    """A seeded choice of `n` candidates (all when n is None) among those whose id is not in
+    `exclude` (e.g. the ids of stored data sets), returned in the candidates' order."""
+    items = [p for p in stdlib_functions(root) if p["id"] not in exclude]
     if n is None or n >= len(items):
         return items
     pick = np.random.default_rng(seed).permutation(len(items))[:n]

@@ -79,12 +79,32 @@ def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------- prompts
+def stored_ids(patterns: Sequence[str]) -> set:
+    """The ids of every conversation in the JSONL files (plain or .gz) matching the glob patterns."""
+    import glob
+    import gzip
+
+    ids = set()
+    for pat in patterns:
+        paths = sorted(glob.glob(pat))
+        if not paths:
+            raise FileNotFoundError(f"--exclude-ids-from {pat!r} matches no file")
+        for path in paths:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt", encoding="utf-8") as f:
+                ids.update(json.loads(line)["id"] for line in f if line.strip())
+    return ids
+
+
 def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instruct_n: int = 300,
                     evals_per_subset: int = 12, evals_skip: int = 0, limit: Optional[int] = None, seed: int = 0,
-                    counts: Optional[dict] = None, stdlib_code_n: int = 600) -> tuple[list[dict], list[dict]]:
+                    counts: Optional[dict] = None, stdlib_code_n: int = 600,
+                    exclude_ids: Sequence[str] = ()) -> tuple[list[dict], list[dict]]:
     """(train prompts, eval prompts). Training prompts are deduplicated and filtered against every
     held-out prompt; self-instruct questions are cached in `<out>/self_instruct_prompts.jsonl`.
-    `limit` caps the training prompts per source (the first `limit` after a seeded shuffle)."""
+    `limit` caps the training prompts per source (the first `limit` after a seeded shuffle);
+    prompts whose id is in `exclude_ids` (e.g. already in a stored data set) are left out, and
+    stdlib-code chooses its `stdlib_code_n` among the others."""
     unknown = set(sources) - set(SOURCES)
     if unknown:
         raise ValueError(f"unknown sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
@@ -93,8 +113,11 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
     rng = np.random.default_rng(seed)
     train: list[dict] = []
 
+    exclude = set(exclude_ids)
+
     def add(name, items):
-        st = {}
+        st = {"excluded": sum(p["id"] in exclude for p in items)}
+        items = [p for p in items if p["id"] not in exclude]
         items = P.drop_near_duplicates(items, held, stats=st, reference=train)
         order = rng.permutation(len(items))
         if limit is not None:
@@ -125,9 +148,10 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
         add("self-instruct", have[:want])
         counts["self-instruct"]["generation"] = si_stats
     if "stdlib-code" in sources:
-        from .code_prompts import stdlib_code_prompts
+        from .code_prompts import stdlib_code_prompts, stdlib_functions
 
-        add("stdlib-code", stdlib_code_prompts(stdlib_code_n, seed=seed))
+        add("stdlib-code", stdlib_code_prompts(stdlib_code_n, seed=seed, exclude=exclude))
+        counts["stdlib-code"]["excluded"] = sum(p["id"] in exclude for p in stdlib_functions())  # before the choice
     evals = [dict(p, source=p["source"]) for p in held]
     counts["eval"] = {"eval-chat": sum(p["source"] == "eval-chat" for p in evals),
                       "eval-code": sum(p["source"] == "eval-code" for p in evals)}
@@ -394,6 +418,9 @@ def main(argv=None) -> int:
     ap.add_argument("--self-instruct-n", type=int, default=300)
     ap.add_argument("--stdlib-code-n", type=int, default=600,
                     help="stdlib-code: how many standard-library functions (a seeded choice by --seed)")
+    ap.add_argument("--exclude-ids-from", action="append", default=[], metavar="GLOB",
+                    help="leave out prompts whose id is in these JSONL(.gz) files, e.g. 'train/data/*.jsonl.gz' "
+                         "(repeatable)")
     ap.add_argument("--evals-per-subset", type=int, default=12)
     ap.add_argument("--evals-skip", type=int, default=0,
                     help="skip the first N of each eval's seeded order (the prompts an earlier dataset used)")
@@ -435,7 +462,8 @@ def main(argv=None) -> int:
     train, evals = collect_prompts(engine, sources, out, self_instruct_n=args.self_instruct_n,
                                    evals_per_subset=args.evals_per_subset, evals_skip=args.evals_skip,
                                    limit=args.limit, seed=args.seed, counts=counts,
-                                   stdlib_code_n=args.stdlib_code_n)
+                                   stdlib_code_n=args.stdlib_code_n,
+                                   exclude_ids=stored_ids(args.exclude_ids_from))
     _log("prompts: " + json.dumps(counts))
     d = Distiller(engine, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
