@@ -50,9 +50,10 @@ python -m eagle_jax.training.selfdistill --out runs/sd5 --max-new-tokens 256 --b
   --sources evals,self-instruct --evals-per-subset 40 --evals-skip 60 --self-instruct-n 700 --seed 5 --no-eval
 store_new() {  # store_new NAME: runs/NAME/train.jsonl → train/data/NAME.jsonl.gz, minus ids stored already
   [[ -f "train/data/$1.jsonl.gz" ]] || python - "$1" <<'PY'
-import glob, gzip, json, sys
+import gzip, json, sys
+from eagle_jax.training.selfdistill import stored_ids
 name = sys.argv[1]
-seen = {json.loads(l)["id"] for p in glob.glob("train/data/*.jsonl.gz") for l in gzip.open(p, "rt")}
+seen = stored_ids(["train/data/*.jsonl.gz"])
 rows = [l for l in open(f"runs/{name}/train.jsonl") if json.loads(l)["id"] not in seen]
 with gzip.open(f"train/data/{name}.jsonl.gz", "wt") as f:
     f.writelines(rows)

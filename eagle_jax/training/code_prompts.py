@@ -9,6 +9,7 @@ the body itself (self-distillation), so only the question comes from the library
 
     stdlib_functions()            every candidate, in a stable (path, line) order
     stdlib_code_prompts(n, seed)  a seeded choice of n prompts ({"id", "prompt", "source"})
+    choose(candidates, n, seed)   the same choice from candidates already read
 
 The candidates depend on the Python version (ids name the module and the qualified name, e.g.
 `stdlib-json.dumps`), so a stored dataset records its prompts and does not need them rebuilt.
@@ -115,7 +116,12 @@ def stdlib_code_prompts(n: Optional[int] = None, seed: int = 0, root: Optional[P
                         exclude: Collection[str] = ()) -> list[dict]:
     """A seeded choice of `n` candidates (all when n is None) among those whose id is not in
     `exclude` (e.g. the ids of stored data sets), returned in the candidates' order."""
-    items = [p for p in stdlib_functions(root) if p["id"] not in exclude]
+    return choose(stdlib_functions(root), n, seed, exclude)
+
+
+def choose(candidates: list[dict], n: Optional[int], seed: int = 0, exclude: Collection[str] = ()) -> list[dict]:
+    """`stdlib_code_prompts`' choice from candidates already read."""
+    items = [p for p in candidates if p["id"] not in exclude]
     if n is None or n >= len(items):
         return items
     pick = np.random.default_rng(seed).permutation(len(items))[:n]

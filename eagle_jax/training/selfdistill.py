@@ -24,6 +24,8 @@ held-out prompts of `eagle_jax/data/eval_*_prompts.jsonl` only) with `<out>/summ
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
 import sys
@@ -81,9 +83,6 @@ def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
 # ---------------------------------------------------------------------------------- prompts
 def stored_ids(patterns: Sequence[str]) -> set:
     """The ids of every conversation in the JSONL files (plain or .gz) matching the glob patterns."""
-    import glob
-    import gzip
-
     ids = set()
     for pat in patterns:
         paths = sorted(glob.glob(pat))
@@ -148,10 +147,11 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
         add("self-instruct", have[:want])
         counts["self-instruct"]["generation"] = si_stats
     if "stdlib-code" in sources:
-        from .code_prompts import stdlib_code_prompts, stdlib_functions
+        from .code_prompts import choose, stdlib_functions
 
-        add("stdlib-code", stdlib_code_prompts(stdlib_code_n, seed=seed, exclude=exclude))
-        counts["stdlib-code"]["excluded"] = sum(p["id"] in exclude for p in stdlib_functions())  # before the choice
+        candidates = stdlib_functions()
+        add("stdlib-code", choose(candidates, stdlib_code_n, seed=seed, exclude=exclude))
+        counts["stdlib-code"]["excluded"] = sum(p["id"] in exclude for p in candidates)  # before the choice
     evals = [dict(p, source=p["source"]) for p in held]
     counts["eval"] = {"eval-chat": sum(p["source"] == "eval-chat" for p in evals),
                       "eval-code": sum(p["source"] == "eval-code" for p in evals)}
