@@ -514,6 +514,34 @@ def test_stdlib_code_source_of_this_interpreter(tmp_path):
         SD.stored_ids([str(tmp_path / "nothing-*.jsonl")])
 
 
+def test_package_code_prompts_from_installed_packages(tmp_path):
+    from eagle_jax.training import code_prompts as C
+
+    pkg = tmp_path / "site" / "fakelib"
+    pkg.mkdir(parents=True)
+    _fake_stdlib(pkg)  # the same files as a package: ids name the package; tests and private modules left out
+    (pkg / "__init__.py").write_text('def top(a, b):\n    """Return a joined with b, separated by one space each."""\n')
+    (pkg / "_vendored.py").write_text('def hidden(a):\n    """Return a joined with b, separated by one space each."""\n')
+    (tmp_path / "site" / "single.py").write_text("x = 1\n")
+    items = C.package_functions(["fakelib"], paths=[str(tmp_path / "site")])
+    assert [p["id"] for p in items] == ["pkg-fakelib.top", "pkg-fakelib.idlelib.helper", "pkg-fakelib.pkg.helper",
+                                        "pkg-fakelib.stats.mean", "pkg-fakelib.stats.Acc.add",
+                                        "pkg-fakelib.stats.Acc.scale"]
+    assert {p["source"] for p in items} == {"package-code"}
+    as_stdlib = {p["name"]: p["prompt"] for p in C.stdlib_functions(pkg)}
+    assert items[3]["prompt"] == as_stdlib["mean"]  # the same request as the stdlib source writes
+    for bad in ("single", "no_such_package"):
+        with pytest.raises(ValueError, match=f"{bad!r} is not an installed package"):
+            C.package_functions([bad], paths=[str(tmp_path / "site")])
+    # the real default packages, through collect_prompts: a seeded choice, disjoint from held-out prompts
+    counts = {}
+    train, evals = SD.collect_prompts(None, ["package-code"], tmp_path, package_code_n=30, seed=2, counts=counts)
+    assert len(train) >= 28 and {p["source"] for p in train} == {"package-code"}
+    assert counts["package-code"]["packages"] == list(SD.CODE_PACKAGES)
+    assert {p["id"].split("-", 1)[1].split(".")[0] for p in train} <= set(SD.CODE_PACKAGES)
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in evals}
+
+
 # ---------------------------------------------------------------------------------- self-distill files
 def test_plan_batches_cover_once():
     lengths = list(np.random.default_rng(0).integers(5, 300, size=53))

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib.machinery
 import sysconfig
 from pathlib import Path
-from typing import Collection, Iterator, Optional
+from typing import Collection, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -87,28 +88,47 @@ def code_prompt(fn: ast.FunctionDef, cls: Optional[ast.ClassDef] = None) -> str:
             f"Python code block.\n\n```python\n{header}\n    ...\n\n{body}\n```")
 
 
-def stdlib_functions(root: Optional[Path] = None) -> list[dict]:
-    """Every candidate of the standard library at `root` (default: this interpreter's), in path
-    and line order: {"id", "prompt", "source": "stdlib-code", "module", "name"}."""
-    root = Path(root) if root is not None else stdlib_root()
+def _scan(root: Path, id_prefix: str, module_prefix: str, source: str, skip_top: Collection[str] = ()) -> list[dict]:
     out, seen = [], set()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if (rel.parts[0] in SKIP_TOP or rel.parts[0].startswith("config-")
+        if (rel.parts[0] in skip_top or rel.parts[0].startswith("config-")
                 or any(p.startswith("test") or p.startswith("_") and p != "__init__.py" for p in rel.parts)):
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue  # a file this interpreter cannot parse (e.g. lib2to3 test data) is not a source
-        module = _module_name(rel)
+        module = ".".join(filter(None, [module_prefix, _module_name(rel)]))
         for qual, cls, fn in _candidates(tree):
-            pid = f"stdlib-{module}.{qual}"
+            pid = f"{id_prefix}-{module}.{qual}"
             if pid in seen:  # a name defined twice (platform branches): the first definition
                 continue
             seen.add(pid)
-            out.append({"id": pid, "prompt": code_prompt(fn, cls), "source": "stdlib-code",
+            out.append({"id": pid, "prompt": code_prompt(fn, cls), "source": source,
                         "module": module, "name": qual})
+    return out
+
+
+def stdlib_functions(root: Optional[Path] = None) -> list[dict]:
+    """Every candidate of the standard library at `root` (default: this interpreter's), in path
+    and line order: {"id", "prompt", "source": "stdlib-code", "module", "name"}."""
+    root = Path(root) if root is not None else stdlib_root()
+    return _scan(root, "stdlib", "", "stdlib-code", SKIP_TOP)
+
+
+def package_functions(packages: Sequence[str], paths: Optional[Sequence[str]] = None) -> list[dict]:
+    """Every candidate of the installed (pure-Python parts of) `packages`, package by package in
+    the order given, each in path and line order: ids `pkg-<module>.<qualname>`, source
+    "package-code". `paths` (default sys.path) is where the packages are looked for; a package
+    that is not there, or is a single module rather than a package, is an error."""
+    out = []
+    for name in packages:
+        spec = importlib.machinery.PathFinder.find_spec(name, list(paths) if paths is not None else None)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"package-code: {name!r} is not an installed package")
+        root = Path(list(spec.submodule_search_locations)[0])
+        out += _scan(root, "pkg", name, "package-code")
     return out
 
 

@@ -37,8 +37,11 @@ import numpy as np
 
 from . import prompts as P
 
-SOURCES = ("humaneval", "evals", "self-instruct", "stdlib-code")
-DEFAULT_SOURCES = ("humaneval", "evals", "self-instruct")  # stdlib-code is asked for by name
+SOURCES = ("humaneval", "evals", "self-instruct", "stdlib-code", "package-code")
+DEFAULT_SOURCES = ("humaneval", "evals", "self-instruct")  # the code sources are asked for by name
+# package-code's default packages: installed with eagle_jax, general-purpose, documented pure Python
+CODE_PACKAGES = ("networkx", "numpy", "mpmath", "jinja2", "fsspec", "rich", "setuptools", "requests", "click",
+                 "pygments", "markdown_it", "pyparsing", "huggingface_hub", "toolz", "tqdm", "packaging", "dateutil")
 
 
 def _log(msg: str) -> None:
@@ -98,12 +101,14 @@ def stored_ids(patterns: Sequence[str]) -> set:
 def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instruct_n: int = 300,
                     evals_per_subset: int = 12, evals_skip: int = 0, limit: Optional[int] = None, seed: int = 0,
                     counts: Optional[dict] = None, stdlib_code_n: int = 600,
+                    package_code_n: int = 600, code_packages: Sequence[str] = CODE_PACKAGES,
                     exclude_ids: Sequence[str] = ()) -> tuple[list[dict], list[dict]]:
     """(train prompts, eval prompts). Training prompts are deduplicated and filtered against every
     held-out prompt; self-instruct questions are cached in `<out>/self_instruct_prompts.jsonl`.
     `limit` caps the training prompts per source (the first `limit` after a seeded shuffle);
     prompts whose id is in `exclude_ids` (e.g. already in a stored data set) are left out, and
-    stdlib-code chooses its `stdlib_code_n` among the others."""
+    stdlib-code chooses its `stdlib_code_n` among the others (package-code its `package_code_n`
+    among the documented functions of `code_packages`)."""
     unknown = set(sources) - set(SOURCES)
     if unknown:
         raise ValueError(f"unknown sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
@@ -152,6 +157,13 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
         candidates = stdlib_functions()
         add("stdlib-code", choose(candidates, stdlib_code_n, seed=seed, exclude=exclude))
         counts["stdlib-code"]["excluded"] = sum(p["id"] in exclude for p in candidates)  # before the choice
+    if "package-code" in sources:
+        from .code_prompts import choose, package_functions
+
+        candidates = package_functions(code_packages)
+        add("package-code", choose(candidates, package_code_n, seed=seed, exclude=exclude))
+        counts["package-code"]["excluded"] = sum(p["id"] in exclude for p in candidates)
+        counts["package-code"]["packages"] = list(code_packages)
     evals = [dict(p, source=p["source"]) for p in held]
     counts["eval"] = {"eval-chat": sum(p["source"] == "eval-chat" for p in evals),
                       "eval-code": sum(p["source"] == "eval-code" for p in evals)}
@@ -418,6 +430,10 @@ def main(argv=None) -> int:
     ap.add_argument("--self-instruct-n", type=int, default=300)
     ap.add_argument("--stdlib-code-n", type=int, default=600,
                     help="stdlib-code: how many standard-library functions (a seeded choice by --seed)")
+    ap.add_argument("--package-code-n", type=int, default=600,
+                    help="package-code: how many functions of --code-packages (a seeded choice by --seed)")
+    ap.add_argument("--code-packages", default=",".join(CODE_PACKAGES),
+                    help="package-code: comma list of installed packages whose documented functions become prompts")
     ap.add_argument("--exclude-ids-from", action="append", default=[], metavar="GLOB",
                     help="leave out prompts whose id is in these JSONL(.gz) files, e.g. 'train/data/*.jsonl.gz' "
                          "(repeatable)")
@@ -462,7 +478,8 @@ def main(argv=None) -> int:
     train, evals = collect_prompts(engine, sources, out, self_instruct_n=args.self_instruct_n,
                                    evals_per_subset=args.evals_per_subset, evals_skip=args.evals_skip,
                                    limit=args.limit, seed=args.seed, counts=counts,
-                                   stdlib_code_n=args.stdlib_code_n,
+                                   stdlib_code_n=args.stdlib_code_n, package_code_n=args.package_code_n,
+                                   code_packages=[s.strip() for s in args.code_packages.split(",") if s.strip()],
                                    exclude_ids=stored_ids(args.exclude_ids_from))
     _log("prompts: " + json.dumps(counts))
     d = Distiller(engine, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
