@@ -537,8 +537,8 @@ def test_package_code_prompts_from_installed_packages(tmp_path):
     counts = {}
     train, evals = SD.collect_prompts(None, ["package-code"], tmp_path, package_code_n=30, seed=2, counts=counts)
     assert len(train) >= 28 and {p["source"] for p in train} == {"package-code"}
-    assert counts["package-code"]["packages"] == list(SD.CODE_PACKAGES)
-    assert {p["id"].split("-", 1)[1].split(".")[0] for p in train} <= set(SD.CODE_PACKAGES)
+    assert counts["package-code"]["packages"] == list(C.DEFAULT_PACKAGES)
+    assert {p["id"].split("-", 1)[1].split(".")[0] for p in train} <= set(C.DEFAULT_PACKAGES)
     assert not {p["prompt"] for p in train} & {p["prompt"] for p in evals}
 
 

@@ -1,18 +1,22 @@
-"""Code prompts from the Python standard library, for self-distillation (`--sources stdlib-code`).
+"""Code prompts from the Python standard library and installed packages, for self-distillation
+(`--sources stdlib-code` and `--sources package-code`).
 
 The held-out code prompts are HumanEval problems: "Complete the following Python function", a
 signature and a docstring. Training data of that shape is scarce (HumanEval's 124 training
-problems), so this source writes more from the interpreter's own standard library, which every
-machine has and nothing needs to download: each public function (and public method of a public
-class) with a docstring becomes a prompt of the same form, its body left out. The target writes
-the body itself (self-distillation), so only the question comes from the library.
+problems), so these sources write more from code every machine already has and nothing needs to
+download: each public function (and public method of a public class) with a docstring, in the
+interpreter's standard library or in an installed package, becomes a prompt of the same form, its
+body left out. The target writes the body itself (self-distillation), so only the question comes
+from the library.
 
-    stdlib_functions()            every candidate, in a stable (path, line) order
-    stdlib_code_prompts(n, seed)  a seeded choice of n prompts ({"id", "prompt", "source"})
+    stdlib_functions()            every standard-library candidate, in a stable (path, line) order
+    package_functions(packages)   every candidate of installed packages (DEFAULT_PACKAGES)
+    stdlib_code_prompts(n, seed)  a seeded choice of n standard-library prompts ({"id", "prompt", "source"})
     choose(candidates, n, seed)   the same choice from candidates already read
 
-The candidates depend on the Python version (ids name the module and the qualified name, e.g.
-`stdlib-json.dumps`), so a stored dataset records its prompts and does not need them rebuilt.
+The candidates depend on the Python and package versions (ids name the module and the qualified
+name, e.g. `stdlib-json.dumps`, `pkg-toolz.itertoolz.partition`), so a stored dataset records its
+prompts and does not need them rebuilt.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ import numpy as np
 SKIP_TOP = frozenset({"test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages",
                       "dist-packages", "__pycache__", "encodings", "pydoc_data", "venv", "__phello__",
                       "unittest", "this.py", "antigravity.py"})
+# package-code's default packages: installed with eagle_jax, general-purpose, documented pure Python
+# (sympy, also installed, is left out: its 2669 candidates are nearly all symbolic algebra)
+DEFAULT_PACKAGES = ("networkx", "numpy", "mpmath", "jinja2", "fsspec", "rich", "setuptools", "requests", "click",
+                    "pygments", "markdown_it", "pyparsing", "huggingface_hub", "toolz", "tqdm", "packaging",
+                    "dateutil")
 MIN_DOC, MAX_DOC = 40, 800  # docstring characters: enough to say what the code does, short enough to read
 
 

@@ -3,7 +3,7 @@
 EAGLE-3 trains its drafter on the target's own outputs, so the head learns the distribution it
 will be asked to predict. This tool collects prompts (HumanEval train split, OpenAI-evals
 questions, self-instruct questions the target writes from seed topics, HumanEval-style requests
-for standard-library functions: training/code_prompts.py), generates replies with the
+for standard-library and installed packages' functions: training/code_prompts.py), generates replies with the
 target by continuous batching (a finished row takes the next prompt while the others keep decoding:
 `decode_refill`; one cache length for the run, fitted to 90% of the prompts; longer prompts, and
 everything with `--no-continuous`, go in whole batches of `generate_tokens`, one cache-length bucket
@@ -35,13 +35,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from . import code_prompts as C
 from . import prompts as P
 
 SOURCES = ("humaneval", "evals", "self-instruct", "stdlib-code", "package-code")
 DEFAULT_SOURCES = ("humaneval", "evals", "self-instruct")  # the code sources are asked for by name
-# package-code's default packages: installed with eagle_jax, general-purpose, documented pure Python
-CODE_PACKAGES = ("networkx", "numpy", "mpmath", "jinja2", "fsspec", "rich", "setuptools", "requests", "click",
-                 "pygments", "markdown_it", "pyparsing", "huggingface_hub", "toolz", "tqdm", "packaging", "dateutil")
 
 
 def _log(msg: str) -> None:
@@ -101,7 +99,7 @@ def stored_ids(patterns: Sequence[str]) -> set:
 def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instruct_n: int = 300,
                     evals_per_subset: int = 12, evals_skip: int = 0, limit: Optional[int] = None, seed: int = 0,
                     counts: Optional[dict] = None, stdlib_code_n: int = 600,
-                    package_code_n: int = 600, code_packages: Sequence[str] = CODE_PACKAGES,
+                    package_code_n: int = 600, code_packages: Sequence[str] = C.DEFAULT_PACKAGES,
                     exclude_ids: Sequence[str] = ()) -> tuple[list[dict], list[dict]]:
     """(train prompts, eval prompts). Training prompts are deduplicated and filtered against every
     held-out prompt; self-instruct questions are cached in `<out>/self_instruct_prompts.jsonl`.
@@ -151,19 +149,14 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
             have = have + new
         add("self-instruct", have[:want])
         counts["self-instruct"]["generation"] = si_stats
-    if "stdlib-code" in sources:
-        from .code_prompts import choose, stdlib_functions
-
-        candidates = stdlib_functions()
-        add("stdlib-code", choose(candidates, stdlib_code_n, seed=seed, exclude=exclude))
-        counts["stdlib-code"]["excluded"] = sum(p["id"] in exclude for p in candidates)  # before the choice
-    if "package-code" in sources:
-        from .code_prompts import choose, package_functions
-
-        candidates = package_functions(code_packages)
-        add("package-code", choose(candidates, package_code_n, seed=seed, exclude=exclude))
-        counts["package-code"]["excluded"] = sum(p["id"] in exclude for p in candidates)
-        counts["package-code"]["packages"] = list(code_packages)
+    code_sources = {"stdlib-code": (C.stdlib_functions, stdlib_code_n, {}),
+                    "package-code": (lambda: C.package_functions(code_packages), package_code_n,
+                                     {"packages": list(code_packages)})}
+    for name, (read, n, info) in code_sources.items():
+        if name in sources:  # a seeded choice of n among the candidates no excluded id names
+            candidates = read()
+            add(name, C.choose(candidates, n, seed=seed, exclude=exclude))
+            counts[name].update(excluded=sum(p["id"] in exclude for p in candidates), **info)  # before the choice
     evals = [dict(p, source=p["source"]) for p in held]
     counts["eval"] = {"eval-chat": sum(p["source"] == "eval-chat" for p in evals),
                       "eval-code": sum(p["source"] == "eval-code" for p in evals)}
@@ -432,7 +425,7 @@ def main(argv=None) -> int:
                     help="stdlib-code: how many standard-library functions (a seeded choice by --seed)")
     ap.add_argument("--package-code-n", type=int, default=600,
                     help="package-code: how many functions of --code-packages (a seeded choice by --seed)")
-    ap.add_argument("--code-packages", default=",".join(CODE_PACKAGES),
+    ap.add_argument("--code-packages", default=",".join(C.DEFAULT_PACKAGES),
                     help="package-code: comma list of installed packages whose documented functions become prompts")
     ap.add_argument("--exclude-ids-from", action="append", default=[], metavar="GLOB",
                     help="leave out prompts whose id is in these JSONL(.gz) files, e.g. 'train/data/*.jsonl.gz' "
