@@ -502,7 +502,9 @@ def test_stdlib_code_source_of_this_interpreter(tmp_path):
     import gzip
 
     with gzip.open(tmp_path / "stored.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps({"id": p["id"], "conversations": []}) + "\n" for p in train)
+        f.writelines(json.dumps({"id": p["id"], "conversations": [{"from": "human", "value": p["prompt"]},
+                                                                  {"from": "gpt", "value": "def f(): pass"}]}) + "\n"
+                     for p in train)
     gone = SD.stored_ids([str(tmp_path / "*.jsonl.gz")])
     assert gone == {p["id"] for p in train}
     counts = {}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ import numpy as np
 
 from . import code_prompts as C
 from . import prompts as P
+from .data import load_conversations
 
 SOURCES = ("humaneval", "evals", "self-instruct", "stdlib-code", "package-code")
 DEFAULT_SOURCES = ("humaneval", "evals", "self-instruct")  # the code sources are asked for by name
@@ -83,16 +83,15 @@ def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 # ---------------------------------------------------------------------------------- prompts
 def stored_ids(patterns: Sequence[str]) -> set:
-    """The ids of every conversation in the JSONL files (plain or .gz) matching the glob patterns."""
+    """The ids of every conversation in the JSONL files (plain or .gz) matching the glob patterns,
+    read by the training loader (a malformed line is an error naming its file and line)."""
     ids = set()
     for pat in patterns:
         paths = sorted(glob.glob(pat))
         if not paths:
             raise FileNotFoundError(f"--exclude-ids-from {pat!r} matches no file")
         for path in paths:
-            opener = gzip.open if path.endswith(".gz") else open
-            with opener(path, "rt", encoding="utf-8") as f:
-                ids.update(json.loads(line)["id"] for line in f if line.strip())
+            ids.update(c["id"] for c in load_conversations(path, on_error="raise"))
     return ids
 
 
