@@ -116,9 +116,10 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
 
     exclude = set(exclude_ids)
 
-    def add(name, items):
+    def add(name, items, pick=None):  # pick: a choice among the items no excluded id names
         st = {"excluded": sum(p["id"] in exclude for p in items)}
         items = [p for p in items if p["id"] not in exclude]
+        items = pick(items) if pick is not None else items
         items = P.drop_near_duplicates(items, held, stats=st, reference=train)
         order = rng.permutation(len(items))
         if limit is not None:
@@ -153,9 +154,8 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
                                      {"packages": list(code_packages)})}
     for name, (read, n, info) in code_sources.items():
         if name in sources:  # a seeded choice of n among the candidates no excluded id names
-            candidates = read()
-            add(name, C.choose(candidates, n, seed=seed, exclude=exclude))
-            counts[name].update(excluded=sum(p["id"] in exclude for p in candidates), **info)  # before the choice
+            add(name, read(), pick=lambda items, n=n: C.choose(items, n, seed=seed))
+            counts[name].update(info)
     evals = [dict(p, source=p["source"]) for p in held]
     counts["eval"] = {"eval-chat": sum(p["source"] == "eval-chat" for p in evals),
                       "eval-code": sum(p["source"] == "eval-code" for p in evals)}
