@@ -149,7 +149,8 @@ def stdlib_code_prompts(n: Optional[int] = None, seed: int = 0, root: Optional[P
 
 
 def choose(candidates: list[dict], n: Optional[int], seed: int = 0, exclude: Collection[str] = ()) -> list[dict]:
-    """`stdlib_code_prompts`' choice from candidates already read."""
+    """The seeded choice of `stdlib_code_prompts` from candidates already read (collect_prompts
+    makes it for both code sources, after its own exclusion)."""
     items = [p for p in candidates if p["id"] not in exclude]
     if n is None or n >= len(items):
         return items
