@@ -43,30 +43,60 @@ def test_cache_read_back_and_resume(tmp_path, rng, pack):
         np.testing.assert_array_equal(a, np.asarray(lm_logits(params, cfg, hidden[0])).argmax(-1))
 
 
-def test_resume_refuses_another_data_set(tmp_path, rng):
-    """A store is only extended by a list that starts with its examples: other tokens (by digest) or,
-    for a store written before digests, other lengths are named instead of silently misaligned."""
+def test_store_is_keyed_by_tokens(tmp_path, rng):
+    """A store serves any list drawing on it: another list (reordered, a subset, new examples in the
+    middle, a repeat) computes only the examples whose tokens it lacks, and `slots` finds each
+    example's own features; an example the store lacks is named."""
+    cfg, params = twin(make_hf_model("llama"))
+    dc = DraftConfig.for_target("eagle3", cfg, draft_vocab_size=50, target_layers=(0, 1, 2))
+    examples = [{"input_ids": rng.integers(0, cfg.vocab_size, n)} for n in (5, 9, 3, 12, 7)]
+    kw = dict(batch_size=2, seq_len=16, dtype="float32", progress=False)
+    cache_features(params, cfg, dc, examples[:3], tmp_path, **kw)
+    other = {"input_ids": (examples[1]["input_ids"] + 1) % cfg.vocab_size}  # same length, other tokens
+    mixed = [examples[2], other, examples[0], examples[4], examples[1], examples[2]]
+    cache_features(params, cfg, dc, mixed, tmp_path, **kw)
+    store = FeatureStore(tmp_path)
+    assert len(store) == 5  # 3 cached + `other` + examples[4]; nothing computed twice
+    slots = store.slots(mixed, 16)
+    assert slots.tolist() == [2, 3, 0, 4, 1, 2]
+    for ex, k in zip(mixed, slots):
+        feats, hidden = teacher(params, cfg, dc, jnp.asarray(ex["input_ids"])[None])
+        np.testing.assert_allclose(store[int(k)][0], np.asarray(feats[0]), atol=1e-5)
+        np.testing.assert_allclose(store[int(k)][1], np.asarray(hidden[0]), atol=1e-5)
+    assert store.slots([examples[1]], 16).tolist() == [1]  # a subset needs nothing new
+    with pytest.raises(ValueError, match="no features for example 1 \\(12 tokens\\)"):
+        store.slots([examples[0], examples[3]], 16)
+    long = {"input_ids": rng.integers(0, cfg.vocab_size, 20)}  # keyed by the tokens kept (the first seq_len)
+    cache_features(params, cfg, dc, [long], tmp_path, **kw)
+    cut = {"input_ids": np.concatenate([long["input_ids"][:16], [0, 1]])}
+    assert FeatureStore(tmp_path).slots([cut], 16).tolist() == [5]
+
+
+def test_store_before_digests_keeps_the_prefix_rule(tmp_path, rng):
+    """A store written before digests is only extended by a list that starts with its examples
+    (checked by length: the first that differs is named), and maps example i to entry i."""
     cfg, params = twin(make_hf_model("llama"))
     dc = DraftConfig.for_target("eagle3", cfg, draft_vocab_size=50, target_layers=(0, 1, 2))
     examples = [{"input_ids": rng.integers(0, cfg.vocab_size, n)} for n in (5, 9, 3)]
     kw = dict(batch_size=2, seq_len=16, dtype="float32", progress=False)
     cache_features(params, cfg, dc, examples, tmp_path, **kw)
-    other = [dict(e) for e in examples]
-    other[1] = {"input_ids": (examples[1]["input_ids"] + 1) % cfg.vocab_size}  # same length, other tokens
-    with pytest.raises(ValueError, match="cached example 1 does not match"):
-        cache_features(params, cfg, dc, other + examples, tmp_path, **kw)
-    with pytest.raises(ValueError, match="more than the 2 given"):
-        cache_features(params, cfg, dc, examples[:2], tmp_path, **kw)
     meta = json.loads((tmp_path / "index.json").read_text())
-    del meta["digests"]  # a store from before digests: lengths are what can be checked
+    del meta["digests"]
     (tmp_path / "index.json").write_text(json.dumps(meta))
+    other = [dict(e) for e in examples]
+    other[1] = {"input_ids": (examples[1]["input_ids"] + 1) % cfg.vocab_size}
     cache_features(params, cfg, dc, other, tmp_path, **kw)  # same lengths: accepted
     shorter = [examples[0], {"input_ids": examples[1]["input_ids"][:4]}, examples[2]]
     with pytest.raises(ValueError, match="cached example 1 does not match.*9 cached tokens, 4 given"):
         cache_features(params, cfg, dc, shorter, tmp_path, **kw)
+    with pytest.raises(ValueError, match="more than the 2 given"):
+        cache_features(params, cfg, dc, examples[:2], tmp_path, **kw)
     cache_features(params, cfg, dc, examples + examples[:1], tmp_path, **kw)  # extended at its end
+    with pytest.raises(ValueError, match="more than the 2 given"):  # the rule holds on the next run too
+        cache_features(params, cfg, dc, examples[:2], tmp_path, **kw)
     store = FeatureStore(tmp_path)
     assert len(store) == 4 and store.meta["digests"] is None
+    assert store.slots(examples + examples[:1], 16).tolist() == [0, 1, 2, 3]
     np.testing.assert_array_equal(store[3][2], store[0][2])
 
 
@@ -121,7 +151,8 @@ def test_feature_loader_lines_up_with_tokens(tmp_path, rng, pack, shard):
     store = FeatureStore(tmp_path)
     stats = {}
     it = make_dataset(examples, 2, seq, seed=3, num_epochs=1, shard_index=shard[0], shard_count=shard[1],
-                      drop_remainder=False, pack=pack, attach=_feature_loader(store, seq), stats=stats)
+                      drop_remainder=False, pack=pack, attach=_feature_loader(store, seq, store.slots(examples, seq)),
+                      stats=stats)
     mine = list(range(len(examples)))[shard[0]::shard[1]]
     assert stats["examples"] == len(mine) and (stats["rows"] < len(mine)) == pack
     seen = []

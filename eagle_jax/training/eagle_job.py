@@ -72,9 +72,10 @@ def _with_vocab(head: DraftHead, d2t, tparams) -> DraftHead:
     return DraftHead(params, jax.numpy.asarray(d2t, jax.numpy.int32), cfg)
 
 
-def _feature_loader(store: FeatureStore, seq_len: int):
+def _feature_loader(store: FeatureStore, seq_len: int, slots=None):
     """`attach` for make_dataset: a row's cached target features, laid out like its tokens (examples
-    side by side in a packed row, zeros on padding)."""
+    side by side in a packed row, zeros on padding). slots[j]: the store entry of example j
+    (`FeatureStore.slots`; None: entry j)."""
 
     def attach(idx: list, row: dict) -> dict:
         out = {"features": np.zeros((seq_len, store.meta["feature_size"]), np.float32),
@@ -82,7 +83,7 @@ def _feature_loader(store: FeatureStore, seq_len: int):
                "target_argmax": np.zeros((seq_len,), np.int32)}
         at = 0
         for j in idx:
-            f, h, a = store[j]
+            f, h, a = store[j if slots is None else int(slots[j])]
             n = min(len(f), seq_len)
             out["features"][at:at + n], out["hidden"][at:at + n], out["target_argmax"][at:at + n] = f[:n], h[:n], a[:n]
             at += n
@@ -139,7 +140,8 @@ def eagle_job(config: dict):
         # Unrolled target layers are ≈ 1.3× faster on CPU (decoder.with_layer_layout); same numbers.
         feat_params = with_layer_layout(tparams)
         cache_features(feat_params, tcfg, head.cfg, examples, fdir, seq_len=train.seq_len)
-        attach = _feature_loader(FeatureStore(fdir), train.seq_len)
+        store = FeatureStore(fdir)
+        attach = _feature_loader(store, train.seq_len, store.slots(examples, train.seq_len))
         # Feature batches are tens of MB: read a couple of batches ahead only.
         read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)
     ds_stats: dict = {}

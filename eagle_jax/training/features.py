@@ -9,11 +9,12 @@ Layout of a store directory:
                         of this, so soft labels need no [V]-wide storage)
   argmax.bin            [total_tokens] int32 memmap: the target's greedy token at each position (lets
                         the EAGLE-3 loss skip the full-vocabulary LM head)
-Examples are appended in order; an interrupted caching run resumes after the last finished batch,
-and a run over a longer list that starts with the cached examples (a data set extended at its end)
-computes only the new ones. Resuming checks that the cached examples are the list's first ones
-(same tokens, by digest; same lengths for stores written before digests) and names the first one
-that is not, rather than pairing features with the wrong tokens.
+Examples are keyed by their tokens (the digests): a run computes only the examples whose tokens
+the store does not hold yet and appends them, so a store serves any list that draws on it — a
+data set extended anywhere, reordered, or a subset — and an interrupted caching run resumes after
+its last finished batch. `FeatureStore.slots` maps a list's examples to their stored entries.
+A store written before digests keeps the older rule: only a list that starts with its examples
+(checked by length) extends it, and the first one that differs is named.
 """
 
 from __future__ import annotations
@@ -50,6 +51,26 @@ class FeatureStore:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def slots(self, examples: Sequence[dict], seq_len: int) -> np.ndarray:
+        """[len(examples)] the store entry holding each example's features (its first seq_len
+        tokens, found by digest); raises naming the first example the store does not hold."""
+        digests = self.meta.get("digests")
+        if digests is None:  # written before digests: example i is entry i (cache_features checked the prefix)
+            if len(examples) > len(self):
+                raise ValueError(f"{self.path} holds features of {len(self)} examples, not the {len(examples)} given")
+            return np.arange(len(examples))
+        where: dict = {}
+        for k, d in enumerate(digests):
+            where.setdefault(d, k)
+        out = np.empty(len(examples), np.int64)
+        for i, ex in enumerate(examples):
+            k = where.get(example_digest(np.asarray(ex["input_ids"])[:seq_len]))
+            if k is None:
+                raise ValueError(f"{self.path} holds no features for example {i} "
+                                 f"({min(len(ex['input_ids']), seq_len)} tokens): run cache_features on this list")
+            out[i] = k
+        return out
 
     def __getitem__(self, i: int):
         a, n = int(self.offsets[i]), int(self.lengths[i])
@@ -123,7 +144,8 @@ def _pack_batch(examples: Sequence[dict], start: int, rows: int, seq_len: int, p
 def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequence[dict], out_dir, *,
                    batch_size: int = 8, seq_len: int = 512, dtype: str = "float16", progress: bool = True,
                    pack: bool = True) -> Path:
-    """Compute and store the teacher features of `examples` (dicts with "input_ids") in order.
+    """Compute and store the teacher features of those `examples` (dicts with "input_ids") whose
+    tokens the store does not hold yet, in list order (`FeatureStore.slots` finds them afterwards).
 
     `pack`: consecutive examples share a row (each attends only to itself, positions restart at 0),
     so a batch holds about seq_len / mean length examples per row instead of one; the stored
@@ -145,18 +167,30 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
             raise ValueError(f"{out} holds features the target computed in {old['target_dtype']}, not "
                              f"{tcfg.dtype} (model.dtype): use another feature_dir or the same dtype")
         meta = old
-        _check_prefix(meta, examples, seq_len, out)
-        if "digests" not in meta:  # written before digests: the new examples get theirs from here on
+        if meta.get("digests") is None:  # written before digests: the prefix rule, and no digests from here on
+            _check_prefix(meta, examples, seq_len, out)
             meta["digests"] = None
-    done = meta["num_examples"]
+    if meta["digests"] is None:
+        todo = list(range(meta["num_examples"], len(examples)))
+    else:
+        known = set(meta["digests"])
+        todo = []
+        for i, ex in enumerate(examples):
+            d = example_digest(np.asarray(ex["input_ids"])[:seq_len])
+            if d not in known:  # new tokens (a repeat within the list is computed once)
+                known.add(d)
+                todo.append(i)
+    new = [examples[i] for i in todo]
+    if progress and meta["num_examples"]:
+        print(f"target features: {len(examples) - len(todo)} of {len(examples)} examples already in {out}, "
+              f"{len(todo)} to compute", file=sys.stderr)
 
     def fn_(ids, seg, pos):
         feats, hidden = teacher(target_params, tcfg, head_cfg, ids, seg, pos)
         return feats, hidden, target_argmax(target_params, tcfg, hidden)
 
     fn = jax.jit(fn_)
-    bar = tqdm(total=len(examples), initial=done, desc="target features", unit="ex", file=sys.stderr,
-               disable=not progress)
+    bar = tqdm(total=len(new), desc="target features", unit="ex", file=sys.stderr, disable=not progress)
     with open(out / "features.bin", "ab") as ff, open(out / "hidden.bin", "ab") as fh, \
             open(out / "argmax.bin", "ab") as fa:
         # Drop anything past the last finished batch (a killed run may have written part of one).
@@ -165,9 +199,9 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
         ff.truncate(total * meta["feature_size"] * item)
         fh.truncate(total * meta["hidden_size"] * item)
         fa.truncate(total * 4)
-        start = done
-        while start < len(examples):
-            ids, seg, pos, spans = _pack_batch(examples, start, batch_size, seq_len, pack)
+        start = 0
+        while start < len(new):
+            ids, seg, pos, spans = _pack_batch(new, start, batch_size, seq_len, pack)
             feats, hidden, amax = jax.device_get(fn(jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(pos)))
             for r, a, n in spans:  # the examples in order: row r, columns a … a + n
                 ff.write(np.ascontiguousarray(feats[r, a:a + n], dtype).tobytes())
@@ -182,7 +216,7 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
             fh.flush()
             fa.flush()
             start += len(spans)
-            meta["num_examples"] = start
+            meta["num_examples"] += len(spans)
             tmp = index.with_suffix(".tmp")
             tmp.write_text(json.dumps(meta))
             tmp.replace(index)  # the index only ever names fully written examples
