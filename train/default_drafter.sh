@@ -2,14 +2,14 @@
 # The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in seventeen stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in eighteen stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
 #      bf16 compute), stage 9 on sd4 + sd5 (stored too), stages 10 and 11 add sd6 and sd7
 #      (LowpDense: bf16 products on the CPU's matrix units), stages 12 and 13 add sd8 and sd9, stage
-#      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17 sd14 —
-#      and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for
+#      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17
+#      sd14, stage 18 sd15 — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for
 #      EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
@@ -65,8 +65,9 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage9.json "$@"
 # sd6 … sd9 (stored): new self-instruct questions written by the target, one seed per set (ids an
 # earlier set already has are dropped). Each stage trains the previous stage's head on every stored
 # set so far: stage 10 on sd4 … sd6, stage 11 adds sd7, stage 12 sd8, stage 13 sd9, stage 14 sd10
-# and sd11, stage 15 sd12, sd13 and code1, stage 16 code2 and code3, stage 17 (the packaged head) sd14;
-# stages 12 … 17 share one packed feature store (runs/features-eagle3-sd4-sd8, extended at its end by each).
+# and sd11, stage 15 sd12, sd13 and code1, stage 16 code2 and code3, stage 17 sd14, stage 18 (the
+# packaged head) sd15; stages 12 … 18 share one packed feature store (runs/features-eagle3-sd4-sd8:
+# each computes only the examples whose tokens it does not hold yet).
 self_instruct_set() {  # self_instruct_set NAME N SEED: N new self-instruct conversations, stored
   python -m eagle_jax.training.selfdistill --out "runs/$1" --sources self-instruct --self-instruct-n "$2" \
     --seed "$3" --batch-size 8 --no-eval
@@ -107,9 +108,13 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage16.json "$@"
 # is extended at its end), with a longer, lower warm-up.
 self_instruct_set sd14 800 14
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage17.json "$@"
+# sd15 (stored): chat again (self-instruct, seed 15); chat tau had not moved since stage 15. Stage 18
+# trains stage 17's head on every stored set for 1000 steps.
+self_instruct_set sd15 800 15
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage18.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage17/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage18/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
