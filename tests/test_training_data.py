@@ -436,9 +436,44 @@ def test_clean_generated_question(raw, want):
     assert P.clean_generated_question(raw) == want
 
 
-def test_seed_topics():
+def test_seed_topics(tmp_path):
     topics = P.read_seed_topics()
     assert 100 <= len(topics) <= 200 and len(set(topics)) == len(topics)
+    assert P.read_seed_topics("default") == topics
+    more = P.read_seed_topics("more")  # the second packaged list: new topics only
+    assert len(more) >= 300 and len(set(more)) == len(more) and not set(more) & set(topics)
+    f = tmp_path / "topics.txt"
+    f.write_text("# a comment\n\nknots for sailing\n  tide pools \n")
+    assert P.read_seed_topics(str(f)) == ["knots for sailing", "tide pools"]
+    with pytest.raises(FileNotFoundError, match="no file .*nope.txt.*default, more"):
+        P.read_seed_topics(str(tmp_path / "nope.txt"))
+    (tmp_path / "empty.txt").write_text("# only a comment\n")
+    with pytest.raises(ValueError, match="names no topic"):
+        P.read_seed_topics(str(tmp_path / "empty.txt"))
+
+
+def test_self_instruct_draws_from_the_chosen_topic_lists(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_writer(engine, topics, n, **kw):  # stands in for the target writing questions
+        seen.append(list(topics))
+        return [{"id": f"si-{i}", "prompt": f"What is fact number {i} about {topics[i]}?", "source": "self-instruct"}
+                for i in range(n)]
+
+    monkeypatch.setattr(P, "self_instruct_prompts", fake_writer)
+    f = tmp_path / "mine.txt"
+    f.write_text("tide pools\n" + P.read_seed_topics("more")[0] + "\n")
+    counts = {}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    train, _ = SD.collect_prompts(None, ["self-instruct"], tmp_path / "a", self_instruct_n=3, counts=counts,
+                                  seed_topics=["more", str(f)])
+    more = P.read_seed_topics("more")
+    assert seen == [more + ["tide pools"]]  # both lists, in order, a repeated topic once
+    assert counts["self-instruct"]["seed_topics"] == {"lists": ["more", str(f)], "topics": len(more) + 1}
+    assert [p["prompt"] for p in train] == [f"What is fact number {i} about {more[i]}?" for i in range(3)]
+    SD.collect_prompts(None, ["self-instruct"], tmp_path / "b", self_instruct_n=2)
+    assert seen[-1] == P.read_seed_topics()  # the default list when none is named
 
 
 def _fake_stdlib(root):

@@ -248,9 +248,21 @@ def eval_prompts() -> list[dict]:
     return load_prompt_file(EVAL_CHAT_FILE, "eval-chat") + load_prompt_file(EVAL_CODE_FILE, "eval-code")
 
 
+SEED_TOPIC_LISTS = {"default": SEED_TOPICS_FILE, "more": DATA_DIR / "seed_topics_more.txt"}
+
+
 def read_seed_topics(path=SEED_TOPICS_FILE) -> list[str]:
+    """Topics of one list: a file (one a line, # comments) or a packaged list's name (`SEED_TOPIC_LISTS`:
+    "default", the first 144 topics; "more", 392 others)."""
+    if isinstance(path, str) and path in SEED_TOPIC_LISTS:
+        path = SEED_TOPIC_LISTS[path]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"seed topics: no file {path} (a path, or one of {', '.join(SEED_TOPIC_LISTS)})")
     lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines()]
-    return [ln for ln in lines if ln and not ln.startswith("#")]
+    topics = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not topics:
+        raise ValueError(f"seed topics: {path} names no topic")
+    return topics
 
 
 # ---------------------------------------------------------------------------------- dedup

@@ -99,13 +99,15 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
                     evals_per_subset: int = 12, evals_skip: int = 0, limit: Optional[int] = None, seed: int = 0,
                     counts: Optional[dict] = None, stdlib_code_n: int = 600,
                     package_code_n: int = 600, code_packages: Sequence[str] = C.DEFAULT_PACKAGES,
-                    exclude_ids: Sequence[str] = ()) -> tuple[list[dict], list[dict]]:
+                    exclude_ids: Sequence[str] = (), seed_topics: Sequence[str] = ("default",)
+                    ) -> tuple[list[dict], list[dict]]:
     """(train prompts, eval prompts). Training prompts are deduplicated and filtered against every
     held-out prompt; self-instruct questions are cached in `<out>/self_instruct_prompts.jsonl`.
     `limit` caps the training prompts per source (the first `limit` after a seeded shuffle);
     prompts whose id is in `exclude_ids` (e.g. already in a stored data set) are left out, and
     stdlib-code chooses its `stdlib_code_n` among the others (package-code its `package_code_n`
-    among the documented functions of `code_packages`)."""
+    among the documented functions of `code_packages`). self-instruct draws its topics from the
+    `seed_topics` lists (files or packaged names, `prompts.SEED_TOPIC_LISTS`), deduplicated."""
     unknown = set(sources) - set(SOURCES)
     if unknown:
         raise ValueError(f"unknown sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
@@ -135,6 +137,7 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
         add("openai-evals", P.evals_prompts(per_subset=evals_per_subset, skip=evals_skip, stats=ev_stats))
         counts["openai-evals"]["subsets"] = len([k for k, v in ev_stats.items() if v])
     if "self-instruct" in sources:
+        topics = list(dict.fromkeys(t for name in seed_topics for t in P.read_seed_topics(name)))
         cache = out_dir / "self_instruct_prompts.jsonl"
         have = read_jsonl(cache)
         want = self_instruct_n if limit is None else min(self_instruct_n, limit)
@@ -142,13 +145,14 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
         if len(have) < want:
             _log(f"self-instruct: {len(have)} cached, writing {want - len(have)} more with the target")
             t0 = time.perf_counter()
-            new = P.self_instruct_prompts(engine, P.read_seed_topics(), want - len(have), held_out=held,
+            new = P.self_instruct_prompts(engine, topics, want - len(have), held_out=held,
                                           existing=train + have, seed=seed + len(have), stats=si_stats)
             append_jsonl(cache, new)
             si_stats["seconds"] = round(time.perf_counter() - t0, 1)
             have = have + new
         add("self-instruct", have[:want])
         counts["self-instruct"]["generation"] = si_stats
+        counts["self-instruct"]["seed_topics"] = {"lists": [str(x) for x in seed_topics], "topics": len(topics)}
     code_sources = {"stdlib-code": (C.stdlib_functions, stdlib_code_n, {}),
                     "package-code": (lambda: C.package_functions(code_packages), package_code_n,
                                      {"packages": list(code_packages)})}
@@ -429,6 +433,9 @@ def main(argv=None) -> int:
     ap.add_argument("--exclude-ids-from", action="append", default=[], metavar="GLOB",
                     help="leave out prompts whose id is in these JSONL(.gz) files, e.g. 'train/data/*.jsonl.gz' "
                          "(repeatable)")
+    ap.add_argument("--seed-topics", default="default",
+                    help="self-instruct: comma list of topic lists, files (one topic a line) or the packaged "
+                         "'default' (144 topics) and 'more' (392 others)")
     ap.add_argument("--evals-per-subset", type=int, default=12)
     ap.add_argument("--evals-skip", type=int, default=0,
                     help="skip the first N of each eval's seeded order (the prompts an earlier dataset used)")
@@ -472,7 +479,8 @@ def main(argv=None) -> int:
                                    limit=args.limit, seed=args.seed, counts=counts,
                                    stdlib_code_n=args.stdlib_code_n, package_code_n=args.package_code_n,
                                    code_packages=[s.strip() for s in args.code_packages.split(",") if s.strip()],
-                                   exclude_ids=stored_ids(args.exclude_ids_from))
+                                   exclude_ids=stored_ids(args.exclude_ids_from),
+                                   seed_topics=[s.strip() for s in args.seed_topics.split(",") if s.strip()])
     _log("prompts: " + json.dumps(counts))
     d = Distiller(engine, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
