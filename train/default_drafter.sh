@@ -112,6 +112,13 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage17.json "$@"
 # trains stage 17's head on every stored set for 1000 steps.
 self_instruct_set sd15 800 15
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage18.json "$@"
+# sd16 (stored): self-instruct questions about the second topic list (--seed-topics more: 392 topics
+# no earlier set used; sd4 … sd15 all drew on the first list's 144). Stage 19 trains stage 18's head
+# on sd16 with a replay of sd14, sd15, code2 and code3, in a feature store of its own.
+python -m eagle_jax.training.selfdistill --out runs/sd16 --sources self-instruct --self-instruct-n 800 --seed 16 \
+  --seed-topics more --batch-size 8 --no-eval
+store_new sd16
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
