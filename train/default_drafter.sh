@@ -9,7 +9,7 @@
 #      bf16 compute), stage 9 on sd4 + sd5 (stored too), stages 10 and 11 add sd6 and sd7
 #      (LowpDense: bf16 products on the CPU's matrix units), stages 12 and 13 add sd8 and sd9, stage
 #      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17
-#      sd14, stage 18 sd15 — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for
+#      sd14, stage 18 sd15 (the packaged head; stage 19, not packaged, replays four sets beside sd16) — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for
 #      EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
@@ -118,7 +118,7 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage18.json "$@"
 python -m eagle_jax.training.selfdistill --out runs/sd16 --sources self-instruct --self-instruct-n 800 --seed 16 \
   --seed-topics more --batch-size 8 --no-eval
 store_new sd16
-train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19.json "$@"
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19.json "$@"  # held-out: a wash with stage 18, which stays packaged
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
