@@ -9,8 +9,8 @@
 #      bf16 compute), stage 9 on sd4 + sd5 (stored too), stages 10 and 11 add sd6 and sd7
 #      (LowpDense: bf16 products on the CPU's matrix units), stages 12 and 13 add sd8 and sd9, stage
 #      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17
-#      sd14, stage 18 sd15 (the packaged head; stage 19, not packaged, replays four sets beside sd16) — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for
-#      EAGLE-1);
+#      sd14, stage 18 sd15 (the packaged head; stage 19, not packaged, replays four sets beside
+#      sd16) — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for EAGLE-1);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -68,9 +68,9 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage9.json "$@"
 # and sd11, stage 15 sd12, sd13 and code1, stage 16 code2 and code3, stage 17 sd14, stage 18 (the
 # packaged head) sd15; stages 12 … 18 share one packed feature store (runs/features-eagle3-sd4-sd8:
 # each computes only the examples whose tokens it does not hold yet).
-self_instruct_set() {  # self_instruct_set NAME N SEED: N new self-instruct conversations, stored
+self_instruct_set() {  # self_instruct_set NAME N SEED [FLAG …]: N new self-instruct conversations, stored
   python -m eagle_jax.training.selfdistill --out "runs/$1" --sources self-instruct --self-instruct-n "$2" \
-    --seed "$3" --batch-size 8 --no-eval
+    --seed "$3" --batch-size 8 --no-eval "${@:4}"
   store_new "$1"
 }
 self_instruct_set sd6 700 6
@@ -115,9 +115,7 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage18.json "$@"
 # sd16 (stored): self-instruct questions about the second topic list (--seed-topics more: 392 topics
 # no earlier set used; sd4 … sd15 all drew on the first list's 144). Stage 19 trains stage 18's head
 # on sd16 with a replay of sd14, sd15, code2 and code3, in a feature store of its own.
-python -m eagle_jax.training.selfdistill --out runs/sd16 --sources self-instruct --self-instruct-n 800 --seed 16 \
-  --seed-topics more --batch-size 8 --no-eval
-store_new sd16
+self_instruct_set sd16 800 16 --seed-topics more
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19.json "$@"  # held-out: a wash with stage 18, which stays packaged
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
