@@ -389,3 +389,31 @@ def test_fused_layer_ids_follow_vllm_and_specforge_conventions(tmp_path, field, 
     path = _safetensors_head(tmp_path, config_edit=lambda c: c.update({field: ids}))
     assert load_drafter(path, TARGET).cfg.target_layers == want
     assert load_drafter(path, TARGET, target_layers=(2, 2, 2)).cfg.target_layers == (2, 2, 2)
+
+
+def test_widened_head_computes_the_same_and_round_trips(tmp_path):
+    """`widen_mlp` adds MLP units whose output starts at zero: the same logits as before, a wider
+    intermediate_size in the exported config, and the new units trainable (nonzero gate/up)."""
+    from eagle_jax.draft.heads import widen_mlp
+
+    target = TARGET.replace(rope_theta=THETA)
+    head = _random_head("eagle3", target, None)
+    wide = widen_mlp(head, 2 * INTER, jax.random.PRNGKey(1))
+    assert wide.cfg.layer.intermediate_size == 2 * INTER
+    assert np.abs(np.asarray(wide.params["midlayer"]["mlp"]["up_proj"]["kernel"][:, INTER:])).max() > 0
+    rng = np.random.default_rng(0)
+    feats = jnp.asarray(rng.standard_normal((1, 5, 3 * D)), jnp.float32)
+    embed = jnp.asarray(rng.standard_normal((V, D)), jnp.float32)
+    toks, pos = jnp.asarray(rng.integers(0, V, (1, 5))), jnp.arange(5)[None]
+
+    def logits(h):
+        out, _ = head_step(h, embed, toks, fuse_features(h, feats), pos)
+        return np.asarray(head_logits(h, {"embed_tokens": {"embedding": embed}}, target, out))
+
+    np.testing.assert_allclose(logits(wide), logits(head), rtol=1e-5, atol=1e-5)
+    load = load_drafter(save_drafter(tmp_path / "w", wide, target), target)
+    assert load.cfg == wide.cfg
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["intermediate_size"] == 2 * INTER
+    np.testing.assert_allclose(logits(load), logits(head), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="narrow"):
+        widen_mlp(head, INTER - 1, jax.random.PRNGKey(1))

@@ -28,8 +28,9 @@ def setup():
     return cfg, params, head, batch
 
 
-def _reference_ttt(cfg, params, head, batch, n, decay):
-    """Per (step i, index j): run the head exactly as drafting does and score its prediction."""
+def _reference_ttt(cfg, params, head, batch, n, decay, greedy_weight=0.0):
+    """Per (step i, index j): run the head exactly as drafting does and score its prediction
+    against (1 - w) · p_target + w · onehot(target argmax)."""
     ids = np.asarray(batch["input_ids"])
     b, l = ids.shape
     feats, hidden = teacher(params, cfg, head.cfg, batch["input_ids"])
@@ -64,7 +65,8 @@ def _reference_ttt(cfg, params, head, batch, n, decay):
                 if arg not in draft_ids:
                     continue
                 logp = np.asarray(jax.nn.log_softmax(head_logits(head, params, cfg, h)[0, 0]))
-                p = np.asarray(jax.nn.softmax(t_logits[r, j + 1 + i][draft_ids]))
+                p = (1 - greedy_weight) * np.asarray(jax.nn.softmax(t_logits[r, j + 1 + i][draft_ids]))
+                p[list(draft_ids).index(arg)] += greedy_weight
                 num[i] += -(p * logp).sum()
                 den[i] += 1
                 hits[i] += draft_ids[logp.argmax()] == arg
@@ -72,12 +74,13 @@ def _reference_ttt(cfg, params, head, batch, n, decay):
     return ploss, hits / np.maximum(den, 1), sum(decay ** i * ploss[i] for i in range(n))
 
 
-def test_ttt_loss_equals_step_by_step_drafting(setup):
+@pytest.mark.parametrize("greedy_weight", [0.0, 0.6])
+def test_ttt_loss_equals_step_by_step_drafting(setup, greedy_weight):
     cfg, params, head, batch = setup
     n = 3
-    loss_fn = make_loss_fn(ObjectiveConfig("eagle3", ttt_length=n), head.cfg, cfg)
+    loss_fn = make_loss_fn(ObjectiveConfig("eagle3", ttt_length=n, greedy_weight=greedy_weight), head.cfg, cfg)
     loss, m = loss_fn(head.params, {"target": params, "d2t": head.d2t}, batch, jax.random.PRNGKey(0))
-    ploss, acc, total = _reference_ttt(cfg, params, head, batch, n, 0.8)
+    ploss, acc, total = _reference_ttt(cfg, params, head, batch, n, 0.8, greedy_weight)
     np.testing.assert_allclose([float(m[f"ploss_{i}"]) for i in range(n)], ploss, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose([float(m[f"acc_{i}"]) for i in range(n)], acc, atol=1e-6)
     np.testing.assert_allclose(float(loss), total, rtol=1e-5)
@@ -116,6 +119,10 @@ def test_eagle1_loss_definition(setup):
     np.testing.assert_allclose(float(m["vloss"]), v, rtol=1e-5)
     np.testing.assert_allclose(float(m["ploss_0"]), p, rtol=1e-5)
     np.testing.assert_allclose(float(loss), v + 0.1 * p, rtol=1e-5)
+    greedy = make_loss_fn(ObjectiveConfig("eagle1", noise=0.0, greedy_weight=0.3), dc, cfg)
+    hard = -(np.take_along_axis(hl, tl.argmax(-1)[..., None], -1)[..., 0] * mask).sum() / mask.sum()
+    np.testing.assert_allclose(float(greedy(head.params, aux, batch, jax.random.PRNGKey(0))[1]["ploss_0"]),
+                               0.7 * p + 0.3 * hard, rtol=1e-5)
     noisy = make_loss_fn(ObjectiveConfig("eagle1", noise=0.2), dc, cfg)(head.params, aux, batch, jax.random.PRNGKey(0))
     assert abs(float(noisy[0]) - float(loss)) > 1e-6  # the noise is applied
     g = jax.grad(lambda p: loss_fn(p, aux, batch, jax.random.PRNGKey(0))[0])(head.params)
@@ -244,6 +251,8 @@ def test_bfloat16_compute_trains_float32_params(setup, kind):
     assert np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99
     with pytest.raises(ValueError, match="compute_dtype"):
         ObjectiveConfig(kind, compute_dtype="int8")
+    with pytest.raises(ValueError, match="greedy_weight"):
+        ObjectiveConfig(kind, greedy_weight=1.5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

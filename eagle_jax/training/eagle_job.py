@@ -4,13 +4,15 @@ Config sections (defaults in MODEL / DATA / OBJECTIVE below):
   model:     the target (alias, HF dir or GGUF), dtype, EAGLE-3 draft vocabulary size and fused layers,
              optional warm start from a drafter directory (`init_from`; EAGLE-3 keeps that head's
              draft vocabulary unless `rebuild_vocab`: then this run's data builds it and the head's
-             LM head is carried over, see `vocab.remap_draft_vocab`)
+             LM head is carried over, see `vocab.remap_draft_vocab`; an `intermediate_size` above
+             that head's widens its MLP without changing its outputs, see `heads.widen_mlp`)
   data:      train/eval JSONL conversations (ShareGPT or messages layout; `.gz` files are read
              compressed; `train` may be a list of files, e.g. datasets from several sessions), max_len, how to treat bad
              lines, target features "online" (the frozen target runs inside the step) or "offline"
              (cached once under feature_dir, then streamed), `pack` (several conversations per row,
              kept apart by segment ids: no step computes padding it could fill)
-  objective: ObjectiveConfig fields (ttt_length, step_decay, noise, v_weight, p_weight)
+  objective: ObjectiveConfig fields (ttt_length, step_decay, noise, v_weight, p_weight, compute_dtype,
+             greedy_weight)
   export:    where the finished head is written in the released EAGLE layout (and its dtype)
 
 The draft vocabulary (EAGLE-3) is built from the training data's assistant-token frequencies and
@@ -27,6 +29,7 @@ import jax
 import numpy as np
 
 from ..draft import DraftConfig, DraftHead, init_head, load_drafter, save_drafter
+from ..draft.heads import widen_mlp
 from ..models.checkpoint import load_hf_dir
 from ..models.decoder import with_layer_layout
 from ..models.registry import resolve_model
@@ -43,7 +46,7 @@ MODEL = {"target": "smollm2-135m-instruct", "dtype": "float32", "draft_vocab_siz
 DATA = {"train": None, "eval": None, "max_len": 512, "on_error": "skip", "features": "online", "feature_dir": None,
         "eval_batches": 4, "pack": False}
 OBJECTIVE = {"ttt_length": 7, "step_decay": 0.8, "noise": 0.2, "v_weight": 1.0, "p_weight": 0.1,
-             "compute_dtype": "float32"}
+             "compute_dtype": "float32", "greedy_weight": 0.0}
 
 
 def _log(msg: str):
@@ -121,6 +124,10 @@ def eagle_job(config: dict):
             raise ValueError(f"init_from holds an {head.cfg.kind} head, not {kind}")
         if kind == "eagle3" and model["rebuild_vocab"]:
             head = _with_vocab(head, d2t, tparams)
+        if model["intermediate_size"] and model["intermediate_size"] != head.cfg.layer.intermediate_size:
+            old = head.cfg.layer.intermediate_size
+            head = widen_mlp(head, model["intermediate_size"], jax.random.PRNGKey(train.seed))
+            _log(f"MLP widened from {old} to {model['intermediate_size']} units (new units start at zero output)")
         d2t = head.d2t if kind == "eagle3" else None
     else:
         hcfg = DraftConfig.for_target(kind, tcfg, draft_vocab_size=model["draft_vocab_size"],

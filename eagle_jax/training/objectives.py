@@ -16,6 +16,11 @@ EAGLE-3:  training-time test — `ttt_length` rollout steps; step 0 reads the fu
           through the inference cache). Loss: soft cross-entropy against the target's
           distribution restricted to the draft vocabulary, weighted step_decay**i; positions whose
           target argmax is outside the draft vocabulary are skipped (as SpecForge does).
+Both:     `greedy_weight` w mixes the target's greedy token into the distribution the head learns,
+          (1 - w) · p_target + w · onehot(argmax p_target). 0 (the default) is the papers' soft
+          target; w > 0 trains the head's top-1 (and its confidences, which rank a dynamic tree's
+          nodes) toward the event greedy verification accepts — the target's argmax — rather than
+          toward the target's whole distribution, which a small head cannot match.
 Metrics: `loss`, `acc_i` (top-1 of rollout step i against the target's argmax; EAGLE-1 has acc_0
 only), `ploss_i`, and for EAGLE-1 `vloss`.
 """
@@ -47,6 +52,7 @@ class ObjectiveConfig:
     # the loss stay float32; the head sees a cast copy). "bfloat16" is several times faster where the
     # CPU has bf16 matrix units (AMX, AVX512-BF16) and on TPUs/GPUs.
     compute_dtype: str = "float32"
+    greedy_weight: float = 0.0  # weight of onehot(target argmax) in the learned distribution
 
     def __post_init__(self):
         if self.kind not in ("eagle1", "eagle3"):
@@ -55,6 +61,17 @@ class ObjectiveConfig:
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
         if self.ttt_length < 1:
             raise ValueError("ttt_length must be >= 1")
+        if not 0.0 <= self.greedy_weight <= 1.0:
+            raise ValueError(f"greedy_weight must lie in [0, 1], got {self.greedy_weight}")
+
+
+def _with_greedy(t_p_blv, argmax_bl, w: float):
+    """(1 - w) · t_p + w · onehot(argmax) over the last axis (argmax indexes that axis; an index
+    outside it adds nothing: such positions are masked out of the loss)."""
+    if not w:
+        return t_p_blv
+    onehot = argmax_bl[..., None] == jnp.arange(t_p_blv.shape[-1], dtype=argmax_bl.dtype)
+    return (1.0 - w) * t_p_blv + w * onehot.astype(t_p_blv.dtype)
 
 
 def teacher(target_params, tcfg: ModelConfig, head_cfg, input_ids_bl, segment_ids_bl=None, positions_bl=None):
@@ -118,7 +135,8 @@ def eagle1_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     vloss = _masked_mean(jnp.mean(jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5), -1), mask)
     t_logits = lm_logits(target_params, tcfg, target_f)
     logits = lm_logits(target_params, tcfg, h)
-    ploss_tok = -jnp.sum(jax.nn.softmax(t_logits, -1) * jax.nn.log_softmax(logits, -1), -1)
+    t_p = _with_greedy(jax.nn.softmax(t_logits, -1), jnp.argmax(t_logits, -1), ocfg.greedy_weight)
+    ploss_tok = -jnp.sum(t_p * jax.nn.log_softmax(logits, -1), -1)
     ploss = _masked_mean(ploss_tok, mask)
     acc = _masked_mean((jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)).astype(jnp.float32), mask)
     loss = ocfg.v_weight * vloss + ocfg.p_weight * ploss
@@ -201,6 +219,9 @@ def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     t_argmax = batch["target_argmax"] if "target_argmax" in batch else target_argmax(target_params, tcfg, hidden_bld)
     in_draft = jnp.zeros((tcfg.vocab_size,), bool).at[draft_ids].set(True)
     t_p = jax.nn.softmax(_draft_logits(target_params, tcfg, hidden_bld, draft_ids), -1)  # B L Vd
+    if ocfg.greedy_weight:  # the draft index of the target's greedy token (-1: not in the draft vocabulary)
+        t2d = jnp.full((tcfg.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(draft_ids.shape[0]))
+        t_p = _with_greedy(t_p, t2d[t_argmax], ocfg.greedy_weight)
     base_mask = batch["loss_mask"] * _valid(batch)
     seg, pos0 = _segments(batch)
     # step-0 keys: causal, and only the query's own segment (a packed row's other examples stay
