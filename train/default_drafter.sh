@@ -117,6 +117,11 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage18.json "$@"
 # on sd16 with a replay of sd14, sd15, code2 and code3, in a feature store of its own.
 self_instruct_set sd16 800 16 --seed-topics more
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19.json "$@"  # held-out: a wash with stage 18, which stays packaged
+# Two probes beside stage 19, each its run with one change; neither is packaged, so the recipe does
+# not run them (train/README): 19g learns (p_target + onehot(target argmax)) / 2, 19w widens the MLP
+# to 3072 units (stopped at step 380).
+#   train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19g.json
+#   train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19w.json --set train.stop_at_step=380
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
