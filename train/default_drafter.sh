@@ -122,6 +122,8 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19.json "$@"  # held-out: a w
 # to 3072 units (stopped at step 380).
 #   train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19g.json
 #   train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19w.json --set train.stop_at_step=380
+# sd17 (stored): more self-instruct questions about the second topic list (seed 17), for a later stage.
+self_instruct_set sd17 800 17 --seed-topics more
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
