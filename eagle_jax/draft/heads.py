@@ -111,27 +111,24 @@ def init_head(cfg: DraftConfig, key: jax.Array, d2t=None) -> DraftHead:
 
 
 def widen_mlp(head: DraftHead, intermediate_size: int, key: jax.Array) -> DraftHead:
-    """The same function with a wider MLP: new gate/up columns start as `init_head` draws them and
-    the matching down_proj rows at zero, so every new unit outputs 0 until training moves it (a
-    warm-started head gains capacity without losing what it had learned)."""
-    lc = head.cfg.layer
-    old = lc.intermediate_size
+    """The same function with a wider MLP: the new gate/up columns are those `init_head` draws for
+    the wider head and the matching down_proj rows are zero, so every new unit outputs 0 until
+    training moves it (a warm-started head gains capacity without losing what it had learned)."""
+    old = head.cfg.layer.intermediate_size
     if intermediate_size < old:
         raise ValueError(f"cannot narrow the head's MLP from {old} to {intermediate_size}")
     if intermediate_size == old:
         return head
-    mlp = head.params["midlayer"]["mlp"] if "midlayer" in head.params else None
-    if mlp is None:
-        raise ValueError(f"widen_mlp supports EAGLE-3 heads (midlayer), not {head.cfg.kind}")
-    extra = intermediate_size - old
-    kg, ku = jax.random.split(key)
-    grow = lambda w, k: jnp.concatenate([w, (0.02 * jax.random.normal(k, (w.shape[0], extra))).astype(w.dtype)], 1)
+    if head.cfg.kind != "eagle3":
+        raise ValueError(f"widen_mlp supports EAGLE-3 heads, not {head.cfg.kind}")
+    cfg = head.cfg.replace(layer=head.cfg.layer.replace(intermediate_size=intermediate_size))
+    fresh = init_head(cfg, key).params["midlayer"]["mlp"]
+    mlp = head.params["midlayer"]["mlp"]
+    grow = lambda name: jnp.concatenate([mlp[name]["kernel"], fresh[name]["kernel"][:, old:]], 1)
     down = mlp["down_proj"]["kernel"]
-    new_mlp = {"gate_proj": {"kernel": grow(mlp["gate_proj"]["kernel"], kg)},
-               "up_proj": {"kernel": grow(mlp["up_proj"]["kernel"], ku)},
-               "down_proj": {"kernel": jnp.concatenate([down, jnp.zeros((extra, down.shape[1]), down.dtype)], 0)}}
+    new_mlp = {"gate_proj": {"kernel": grow("gate_proj")}, "up_proj": {"kernel": grow("up_proj")},
+               "down_proj": {"kernel": jnp.concatenate([down, jnp.zeros_like(fresh["down_proj"]["kernel"][old:])], 0)}}
     params = {**head.params, "midlayer": {**head.params["midlayer"], "mlp": new_mlp}}
-    cfg = head.cfg.replace(layer=lc.replace(intermediate_size=intermediate_size))
     return DraftHead(params, head.d2t, cfg)
 
 

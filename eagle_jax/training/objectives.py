@@ -135,10 +135,11 @@ def eagle1_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     vloss = _masked_mean(jnp.mean(jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5), -1), mask)
     t_logits = lm_logits(target_params, tcfg, target_f)
     logits = lm_logits(target_params, tcfg, h)
-    t_p = _with_greedy(jax.nn.softmax(t_logits, -1), jnp.argmax(t_logits, -1), ocfg.greedy_weight)
+    t_arg = jnp.argmax(t_logits, -1)
+    t_p = _with_greedy(jax.nn.softmax(t_logits, -1), t_arg, ocfg.greedy_weight)
     ploss_tok = -jnp.sum(t_p * jax.nn.log_softmax(logits, -1), -1)
     ploss = _masked_mean(ploss_tok, mask)
-    acc = _masked_mean((jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)).astype(jnp.float32), mask)
+    acc = _masked_mean((jnp.argmax(logits, -1) == t_arg).astype(jnp.float32), mask)
     loss = ocfg.v_weight * vloss + ocfg.p_weight * ploss
     return loss, {"loss": loss, "vloss": vloss, "ploss_0": ploss, "acc_0": acc, "tokens": jnp.sum(mask)}
 
@@ -217,11 +218,11 @@ def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
     embed = target_params["embed_tokens"]["embedding"]
     draft_ids = jnp.arange(head.cfg.draft_vocab_size) + head.d2t  # target id of each draft token
     t_argmax = batch["target_argmax"] if "target_argmax" in batch else target_argmax(target_params, tcfg, hidden_bld)
-    in_draft = jnp.zeros((tcfg.vocab_size,), bool).at[draft_ids].set(True)
+    # target id → draft id (-1: not in the draft vocabulary)
+    draft_index = jnp.full((tcfg.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(draft_ids.shape[0]))
+    in_draft = draft_index >= 0
     t_p = jax.nn.softmax(_draft_logits(target_params, tcfg, hidden_bld, draft_ids), -1)  # B L Vd
-    if ocfg.greedy_weight:  # the draft index of the target's greedy token (-1: not in the draft vocabulary)
-        t2d = jnp.full((tcfg.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(draft_ids.shape[0]))
-        t_p = _with_greedy(t_p, t2d[t_argmax], ocfg.greedy_weight)
+    t_p = _with_greedy(t_p, draft_index[t_argmax], ocfg.greedy_weight)
     base_mask = batch["loss_mask"] * _valid(batch)
     seg, pos0 = _segments(batch)
     # step-0 keys: causal, and only the query's own segment (a packed row's other examples stay
