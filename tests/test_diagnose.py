@@ -84,3 +84,15 @@ def test_bigram_baseline():
     assert rep["acc_0"] == pytest.approx(2 / 3)
     top = rep["bands"][-1]
     assert (top["share"], top["head_acc"], top["bigram_acc"]) == (pytest.approx(1 / 3), 1.0, 1.0)
+    assert rep["accept_0"] == pytest.approx(2 / 3)  # every target token in the vocabulary
+
+
+def test_accept_0_counts_out_of_vocabulary_positions_as_misses():
+    agree = {"correct": np.array([True, False, True, False]), "target_p1": np.array([0.95, 0.4, 0.8, 0.99]),
+             "target_token": np.array([4, 9, 2, 7]), "next_token": np.array([2, 2, 3, 1]),
+             "in_draft_vocab": np.array([True, True, True, False])}
+    rep = summarize(agree)
+    assert rep["acc_0"] == pytest.approx(2 / 3)  # the objective's positions: in the vocabulary only
+    assert rep["accept_0"] == pytest.approx(2 / 4)
+    assert rep["outside_draft_vocab"] == pytest.approx(1 / 4)
+    assert "accept_0 over all positions 0.500" in markdown(rep)

@@ -124,6 +124,10 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19.json "$@"  # held-out: a w
 #   train/cpu.sh configs/train/smollm2_eagle3_cpu_stage19w.json --set train.stop_at_step=380
 # sd17 (stored): more self-instruct questions about the second topic list (seed 17), for a later stage.
 self_instruct_set sd17 800 17 --seed-topics more
+# sd18 (stored): self-instruct questions about both topic lists (seed 18). Stage 20 trains stage 19's head
+# on stage 19's sets, sd17 and sd18, moved onto a 12288-token draft vocabulary rebuilt from them.
+self_instruct_set sd18 1200 18 --seed-topics default,more
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage20.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"

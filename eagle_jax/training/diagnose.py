@@ -97,8 +97,10 @@ def bigram_table(examples: Sequence[dict]) -> dict[int, int]:
 
 def summarize(agree: dict, bigram: Optional[dict[int, int]] = None, bands: Sequence[float] = BANDS) -> dict:
     """The report: overall acc_0 (positions whose target token is in the draft vocabulary, as the
-    objective scores them), the out-of-vocabulary share, and per target-confidence band the share
-    of positions and the head's (and the bigram's) accuracy there."""
+    objective scores them), the out-of-vocabulary share, accept_0 (the same agreement over all
+    positions, an out-of-vocabulary target token counted as a miss: the first draft token's chance
+    of acceptance, comparable between heads with different draft vocabularies), and per
+    target-confidence band the share of positions and the head's (and the bigram's) accuracy there."""
     keep = agree["in_draft_vocab"]
     n_all = int(len(keep))
     correct, p1, tgt, nxt = (agree[k][keep] for k in ("correct", "target_p1", "target_token", "next_token"))
@@ -107,6 +109,7 @@ def summarize(agree: dict, bigram: Optional[dict[int, int]] = None, bands: Seque
         big = np.array([bigram.get(int(t), -1) for t in nxt]) == tgt
     rep = {"positions": n_all, "outside_draft_vocab": float(1 - keep.mean()) if n_all else 0.0,
            "acc_0": float(correct.mean()) if len(correct) else float("nan"),
+           "accept_0": float(correct.sum() / n_all) if n_all else float("nan"),
            "target_top1_mean": float(p1.mean()) if len(p1) else float("nan"), "bands": []}
     if big is not None:
         rep["bigram_acc"] = float(big.mean()) if len(big) else float("nan")
@@ -123,7 +126,8 @@ def summarize(agree: dict, bigram: Optional[dict[int, int]] = None, bands: Seque
 def markdown(rep: dict) -> str:
     big = "bigram_acc" in rep
     lines = [f"positions: {rep['positions']}; target token outside the draft vocabulary: "
-             f"{rep['outside_draft_vocab']:.1%}; head acc_0 {rep['acc_0']:.3f}"
+             f"{rep['outside_draft_vocab']:.1%}; head acc_0 {rep['acc_0']:.3f} (accept_0 over all "
+             f"positions {rep['accept_0']:.3f})"
              + (f"; bigram baseline {rep['bigram_acc']:.3f}" if big else "")
              + f"; mean target top-1 probability {rep['target_top1_mean']:.3f}", "",
              "| target top-1 prob | share of positions | head acc_0 |" + (" bigram acc |" if big else ""),
