@@ -128,9 +128,13 @@ self_instruct_set sd17 800 17 --seed-topics more
 # on stage 19's sets, sd17 and sd18, moved onto a 12288-token draft vocabulary rebuilt from them.
 self_instruct_set sd18 1200 18 --seed-topics default,more
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage20.json "$@"
+# sd19 (stored): 1500 more self-instruct questions about both topic lists (seed 19). Stage 21 trains
+# stage 20's head (its 12288-token vocabulary kept) on stage 20's sets and sd19.
+self_instruct_set sd19 1500 19 --seed-topics default,more
+train/cpu.sh configs/train/smollm2_eagle3_cpu_stage21.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage18/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage21/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"
