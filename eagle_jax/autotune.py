@@ -1,18 +1,24 @@
-"""Tree-budget autotuning (`--total-tokens auto`): pick the dynamic tree's size for this device
-and this drafter by measurement, as the reference's `total_token=-1` does.
+"""Tree-budget autotuning (`--total-tokens auto`): pick the dynamic tree's size and shape for this
+device and this drafter by measurement, as the reference's `total_token=-1` does for the size.
 
-For each candidate size N (nodes verified per step, root included; depth and top-k kept):
+A candidate is a dynamic tree: N nodes verified per step (root included), `depth` expansion
+steps and `top_k` children per expanded node. For each one measured:
 
-- acceptance: greedy generation over a few calibration prompts gives tau(N) = new tokens per
-  target pass (the drafter's measured acceptance at that size);
-- cost: `step_profile.profile_spec_step` times one step at that size on this device (drafting,
+- acceptance: greedy generation over a few calibration prompts gives tau = new tokens per target
+  pass (the drafter's measured acceptance with that tree);
+- cost: `step_profile.profile_spec_step` times one step with it on this device (drafting,
   verification of N tokens, and the rest);
-- expected tokens/s(N) = tau(N) / step time(N).
+- expected tokens/s = tau / step time.
 
-The N with the highest expected tokens/s wins. Plain decoding is timed on the same prompts, so
-every candidate also gets a measured speedup (same run, same prompts). The result is a small
-JSON config (`save_budget` / `load_budget`) that `python -m eagle_jax.serve --budget-config FILE`
-uses; `python -m eagle_jax.bench --total-tokens auto` writes it, by default to
+The search is coordinate-wise (`search_budgets`): every candidate size with the starting depth and
+top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every size again with
+the best shape. Where a step costs much more per verified token than per expansion (a CPU) small,
+shallow, narrow trees win; where verification is nearly free (an accelerator) deep, wide ones do.
+Trees that are the same after `TreeBudget`'s clamping are measured once. The candidate with the
+highest expected tokens/s wins. Plain decoding is timed on the same prompts, so every candidate
+also gets a measured speedup (same run, same prompts). The result is a small JSON config
+(`save_budget` / `load_budget`) that `python -m eagle_jax.serve --budget-config FILE` uses;
+`python -m eagle_jax.bench --total-tokens auto` writes it, by default to
 `~/.cache/eagle_jax/budgets/<model>.<method>.<drafter>.<device>.json`, where serve and the CLI
 find it by themselves (no tree flags, or `--total-tokens auto`, which tunes when nothing is saved).
 """
@@ -32,6 +38,7 @@ from .draft.drafting import TreeBudget
 from .step_profile import profile_spec_step
 
 DEFAULT_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48)
+DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
 
 
 def budget_dir() -> Path:
@@ -54,16 +61,84 @@ def packaged_budget_path(model: str, method: str, drafter: str) -> Path:
             / f"{Path(str(model)).name}.{method}.{Path(str(drafter)).name}.{jax.devices()[0].platform}.json")
 
 
+def release_programs() -> None:
+    """Drop the compiled speculative programs (every tree's): on XLA:CPU each compiled tree holds
+    thousands of memory maps (≈ 3600 for SmolLM2's unrolled layers, with its profile), and a
+    process may hold 65530 (Linux's vm.max_map_count), so a search over many trees would abort with
+    "LLVM compilation error: Cannot allocate memory". The tree that is kept compiles again on first
+    use (from the persistent compile cache where it is on)."""
+    from . import speculative, step_profile
+
+    for fn in (speculative.speculative_generate, speculative.spec_start, speculative.spec_advance,
+               step_profile._draft, step_profile._verify):
+        fn.clear_cache()
+
+
+def parse_shapes(spec: str) -> tuple:
+    """"1:2,2:4" → ((1, 2), (2, 4)) (DEPTH:TOP_K pairs); "none" or "" → () (sizes only)."""
+    spec = (spec or "").strip()
+    if spec.lower() in ("", "none"):
+        return ()
+    out = []
+    for part in spec.split(","):
+        try:
+            depth, top_k = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"tree shape {part!r} is not DEPTH:TOP_K (e.g. 2:4)") from None
+        if depth < 1 or top_k < 1:
+            raise ValueError(f"tree shape {part!r}: depth and top-k must be >= 1")
+        out.append((depth, top_k))
+    return tuple(out)
+
+
+def _valid(n: int, depth: int, top_k: int) -> Optional[TreeBudget]:
+    try:
+        return TreeBudget("dynamic", total_tokens=n, depth=depth, top_k=top_k)
+    except ValueError:  # more nodes than this depth and top-k can offer
+        return None
+
+
+def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudget], dict]) -> tuple[TreeBudget, list]:
+    """Coordinate search over dynamic trees: every size with base's (depth, top_k), then every shape
+    of `shapes` at the best size, then every size with the best shape. `measure(budget)` returns a
+    row with "expected_tokens_per_s"; each distinct tree (after TreeBudget's clamping) is measured
+    once. Returns (the best budget, the rows in measurement order)."""
+    rows, seen = [], {}
+
+    def run(n, depth, top_k):
+        budget = _valid(n, depth, top_k)
+        if budget is None:
+            return
+        key = (budget.total_tokens, budget.depth, budget.top_k)
+        if key not in seen:
+            row = dict(measure(budget), total_tokens=budget.total_tokens, depth=budget.depth, top_k=budget.top_k)
+            seen[key] = row
+            rows.append(row)
+
+    best = lambda: max(rows, key=lambda r: r["expected_tokens_per_s"])
+    for n in sizes:
+        run(n, base.depth, base.top_k)
+    if not rows:
+        raise ValueError(f"no candidate tree size fits depth {base.depth}, top-k {base.top_k}")
+    if shapes:
+        n_best = best()["total_tokens"]
+        for depth, top_k in shapes:
+            run(n_best, depth, top_k)
+        shape = (best()["depth"], best()["top_k"])
+        for n in sizes:
+            run(n, *shape)
+    b = best()
+    return TreeBudget("dynamic", total_tokens=b["total_tokens"], depth=b["depth"], top_k=b["top_k"]), rows
+
+
 def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates=DEFAULT_CANDIDATES,
-                    max_new_tokens: int = 64, reps: int = 8, log: Optional[Callable[[str], None]] = None) -> dict:
-    """Measure every candidate size; set the winner as `engine.budgets[method]`; return the record."""
+                    shapes=DEFAULT_SHAPES, max_new_tokens: int = 64, reps: int = 20,
+                    log: Optional[Callable[[str], None]] = None) -> dict:
+    """Measure candidate trees (`search_budgets`: sizes `candidates`, shapes (depth, top_k) `shapes`,
+    none: sizes only); set the winner as `engine.budgets[method]`; return the record."""
     if method not in ("eagle2", "eagle3"):
         raise ValueError(f"autotuning sizes a dynamic tree (eagle2, eagle3); {method} has a static tree")
     base = engine.budgets[method]
-    most = 1 + base.top_k + base.depth * base.top_k ** 2
-    sizes = sorted({n for n in candidates if 2 <= n <= most})
-    if not sizes:
-        raise ValueError(f"no candidate tree size fits depth {base.depth}, top-k {base.top_k} (2..{most})")
     cache_len = max(len(p) for p in prompts) + max_new_tokens + 64
     say = log or (lambda s: None)
 
@@ -75,20 +150,22 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
 
     vanilla_tps, _ = run("vanilla")
     say(f"autotune {method}: vanilla {vanilla_tps:.1f} tok/s on {len(prompts)} prompts")
-    rows = []
-    for n in sizes:
-        budget = TreeBudget("dynamic", total_tokens=n, depth=base.depth, top_k=base.top_k)
+
+    def measure(budget: TreeBudget) -> dict:
         engine.budgets[method] = budget
         tps, tau = run(method)
         prof = profile_spec_step(engine, method, prompts[0], budget=budget, reps=reps, cache_len=cache_len)
-        row = {"total_tokens": n, "tau": tau, "step_ms": prof["step_ms"], "draft_ms": prof["draft_ms"],
+        release_programs()
+        row = {"tau": tau, "step_ms": prof["step_ms"], "draft_ms": prof["draft_ms"],
                "verify_ms": prof["verify_ms"], "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
                "measured_tokens_per_s": tps, "measured_speedup": tps / vanilla_tps}
-        rows.append(row)
-        say(f"autotune {method}: N={n} tau {tau:.2f}, step {prof['step_ms']:.1f} ms (verify "
-            f"{prof['verify_ms']:.1f}), expected {row['expected_tokens_per_s']:.1f} tok/s, measured {tps:.1f}")
-    best = max(rows, key=lambda r: r["expected_tokens_per_s"])
-    chosen = TreeBudget("dynamic", total_tokens=best["total_tokens"], depth=base.depth, top_k=base.top_k)
+        say(f"autotune {method}: N={budget.total_tokens} depth {budget.depth} top-k {budget.top_k}: tau {tau:.2f}, "
+            f"step {prof['step_ms']:.1f} ms (verify {prof['verify_ms']:.1f}), expected "
+            f"{row['expected_tokens_per_s']:.1f} tok/s, measured {tps:.1f}")
+        return row
+
+    sizes = sorted({int(n) for n in candidates})
+    chosen, rows = search_budgets(sizes, tuple(shapes or ()), base, measure)
     engine.budgets[method] = chosen
     say(f"autotune {method}: chose {chosen.total_tokens} tree tokens (depth {chosen.depth}, top-k {chosen.top_k})")
     return {"method": method, "model": engine.name, "device": device_tag(),
@@ -129,9 +206,10 @@ def calibration_prompts(engine, n: int = 3) -> list[list[int]]:
 
 
 def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str], None]] = None,
-                  drafter: str = "", candidates=DEFAULT_CANDIDATES) -> dict:
+                  drafter: str = "", candidates=DEFAULT_CANDIDATES, shapes=DEFAULT_SHAPES) -> dict:
     """Autotune `method` on the calibration prompts, set it on the engine and save it to `path`."""
-    rec = autotune_budget(engine, method, calibration_prompts(engine), candidates=candidates, log=log)
+    rec = autotune_budget(engine, method, calibration_prompts(engine), candidates=candidates, shapes=shapes,
+                          log=log)
     rec["drafter"] = drafter
     rec["saved_to"] = str(save_budget(rec, path))
     if log:
@@ -166,7 +244,8 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
         if path.exists():
             budget = load_budget(path, method)
             if log:
-                log(f"tuned tree budget from {path}: {budget.total_tokens} tokens")
+                log(f"tuned tree budget from {path}: {budget.total_tokens} tokens, depth {budget.depth}, "
+                    f"top-k {budget.top_k}")
             return budget, None
         if log:
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (a few minutes)")
@@ -176,7 +255,8 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
             if path.exists():  # tuned before on this device, else shipped for this platform: the default
                 budget = load_budget(path, method)
                 if log:
-                    log(f"tuned tree budget from {path}: {budget.total_tokens} tokens (--total-tokens N overrides)")
+                    log(f"tuned tree budget from {path}: {budget.total_tokens} tokens, depth {budget.depth}, "
+                        f"top-k {budget.top_k} (--total-tokens N overrides)")
                 return budget, None
     n = None if total_tokens is None else int(total_tokens)
     return default_budget(method, n, depth, top_k), None

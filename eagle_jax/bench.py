@@ -25,8 +25,8 @@ Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tr
 `generate` on the same weights, PyTorch on this machine's threads), `hf-pld` (transformers'
 prompt-lookup decoding). The eagle methods take their heads from `--drafter`.
 
-`--total-tokens auto` first tunes the dynamic tree size of eagle2/eagle3 on this device
-(autotune.py), saves it where `python -m eagle_jax.serve --total-tokens auto` finds it, and
+`--total-tokens auto` first tunes the dynamic tree of eagle2/eagle3 on this device (its size,
+then its depth and top-k: autotune.py), saves it where `python -m eagle_jax.serve --total-tokens auto` finds it, and
 benchmarks with it. Without tree flags each method runs the tree serve would run: a budget tuned
 on this device before, else the one packaged for this platform, else the default tree.
 
@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from .autotune import DEFAULT_CANDIDATES, resolve_budget
+from .autotune import DEFAULT_CANDIDATES, DEFAULT_SHAPES, parse_shapes, resolve_budget
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget
 from .serve.cli import read_prompts
@@ -253,8 +253,10 @@ def build_parser():
     p.add_argument("--matmul", default="auto", choices=("auto", "cpu_kernel", "xla"),
                    help="weight products: the AVX-512 few-row kernel (reads a GGUF model's Q4_1/Q8_0 blocks; same "
                         "float32 results), XLA's dot, or auto (the kernel on an AVX-512 CPU where it builds)")
-    p.add_argument("--draft-rows", default="q8_0", choices=("q8_0", "f16"),
-                   help="with the CPU kernel: the draft heads quantised to Q8_0, or their float16 values exactly")
+    p.add_argument("--draft-rows", default="auto", choices=("auto", "b16", "q8_0", "f16"),
+                   help="with the CPU kernel: the draft heads rounded to bfloat16 for AVX512-BF16 products (b16), "
+                        "quantised to Q8_0, or their float16 values exactly; auto: b16 where the CPU has "
+                        "AVX512-BF16, else q8_0")
     p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
                    help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
                         "or auto (unroll on CPU, scan elsewhere); the same numbers either way")
@@ -263,10 +265,14 @@ def build_parser():
                    help="draft head for eagle methods: default, PATH, random or oracle (eagle1/eagle2 use an "
                         "EAGLE-1 head, eagle3 an EAGLE-3 head; PATH may hold both as PATH/eagle1, PATH/eagle3)")
     p.add_argument("--total-tokens", default=None,
-                   help="dynamic tree size (eagle2/eagle3), or 'auto': measure candidate sizes on this device "
-                        "and this drafter, keep the fastest and save it for serve (see --save-budget)")
+                   help="dynamic tree size (eagle2/eagle3), or 'auto': measure candidate trees (sizes, then "
+                        "depth and top-k) on this device and this drafter, keep the fastest and save it for serve "
+                        "(see --save-budget)")
     p.add_argument("--auto-candidates", default=",".join(map(str, DEFAULT_CANDIDATES)),
                    help="tree sizes that --total-tokens auto measures")
+    p.add_argument("--auto-shapes", default=",".join(f"{d}:{k}" for d, k in DEFAULT_SHAPES),
+                   help="tree shapes DEPTH:TOP_K that --total-tokens auto measures at the best size, "
+                        "or 'none' (sizes only, with the default depth and top-k)")
     p.add_argument("--save-budget", type=Path, default=None,
                    help="where --total-tokens auto writes the chosen budget (default: the cache path that "
                         "`serve --total-tokens auto` reads; with several tuned methods, METHOD is replaced)")
@@ -302,6 +308,7 @@ def main(argv=None) -> int:
         auto = args.total_tokens == "auto"
         total_tokens = None if auto or args.total_tokens is None else int(args.total_tokens)
         candidates = [int(x) for x in args.auto_candidates.split(",") if x.strip()]
+        shapes = parse_shapes(args.auto_shapes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -324,7 +331,7 @@ def main(argv=None) -> int:
             engine.add_method(m, spec, budget)
     prompt_ids = {name: [engine.encode(p, raw=args.raw) for _, p in read_prompts(path)[: args.limit]]
                   for name, path in sets}
-    tuned = autotune_methods(engine, methods, args, candidates, log) if auto else {}
+    tuned = autotune_methods(engine, methods, args, candidates, shapes, log) if auto else {}
     log(f"prompt sets {[(n, len(v)) for n, v in prompt_ids.items()]}, {args.max_new_tokens} new tokens, "
         f"methods {methods}")
     rows_by_set = {}
@@ -366,7 +373,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def autotune_methods(engine, methods, args, candidates, log) -> dict:
+def autotune_methods(engine, methods, args, candidates, shapes, log) -> dict:
     """--total-tokens auto: tune eagle2/eagle3 on the CLI's example prompts (not a benchmark set)."""
     from .autotune import default_budget_path, tune_and_save
 
@@ -375,7 +382,8 @@ def autotune_methods(engine, methods, args, candidates, log) -> dict:
         if m in ("eagle2", "eagle3"):
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
                     else default_budget_path(args.model, m, args.drafter))
-            out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates)
+            out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,
+                                   shapes=shapes)
     return out
 
 
@@ -392,11 +400,14 @@ def full_markdown(result: dict) -> str:
                   f"{s['tree_tokens']} |" for m, s in splits.items()]
         parts.append("time per speculative step\n\n" + "\n".join(lines))
     for m, rec in result.get("autotune", {}).items():
-        lines = ["| tree tokens | tau | step ms | expected tok/s | measured tok/s | measured speedup |",
-                 "|---|---|---|---|---|---|"]
-        lines += [f"| {r['total_tokens']} | {r['tau']:.2f} | {r['step_ms']:.1f} | {r['expected_tokens_per_s']:.1f} | "
-                  f"{r['measured_tokens_per_s']:.1f} | {r['measured_speedup']:.2f} |" for r in rec["candidates"]]
-        parts.append(f"autotune {m}: chose {rec['budget']['total_tokens']} tree tokens\n\n" + "\n".join(lines))
+        lines = ["| tree tokens | depth | top-k | tau | step ms | expected tok/s | measured tok/s | measured speedup |",
+                 "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {r['tau']:.2f} | "
+                  f"{r['step_ms']:.1f} | {r['expected_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | "
+                  f"{r['measured_speedup']:.2f} |" for r in rec["candidates"]]
+        b = rec["budget"]
+        parts.append(f"autotune {m}: chose {b['total_tokens']} tree tokens (depth {b['depth']}, top-k {b['top_k']})"
+                     "\n\n" + "\n".join(lines))
     return "\n\n".join(parts)
 
 

@@ -94,20 +94,22 @@ class Engine:
         JAX runs on an AVX-512 CPU and it builds, else XLA). Float32 products only. With the
         kernel, a GGUF model (an alias or a .gguf file) also keeps its Q4_1 / Q8_0 blocks, which
         few-row products read instead of the float32 weights (same result; `models/quantized.py`).
-      draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "q8_0"
-        (the head quantised to Q8_0: the fastest drafting; the output stays lossless, the drafts
-        are the quantised head's) or "f16" (a float16 checkpoint's own values, exactly).
+      draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "b16"
+        (the head rounded to bfloat16, multiplied by AVX512-BF16 dot instructions: the fastest
+        drafting where the CPU has them), "q8_0" (the head quantised to Q8_0), "f16" (a float16
+        checkpoint's own values, exactly) or "auto" (b16 where available, else q8_0). The output
+        stays lossless whichever: the drafts are only proposals.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", attention: str = "reference",
                  max_cache_len: Optional[int] = None, cache_bucket: int = 128, prefill_chunk: int = 64,
                  method: str = "vanilla", drafter: Optional[str] = None, budget: Optional[TreeBudget] = None,
                  progress: bool = True, layers: str = "auto", compile_cache: bool = True, matmul: str = "auto",
-                 draft_rows: str = "q8_0"):
+                 draft_rows: str = "auto"):
         from transformers import AutoTokenizer
 
         from .kernels.cpu_matmul import resolve_matmul_impl
-        from .models.quantized import DRAFT_ROWS, attach_gguf_blocks
+        from .models.quantized import DRAFT_ROWS, attach_gguf_blocks, resolve_draft_rows
         from .models.registry import model_gguf
 
         check_layer_layout(layers)  # before any loading
@@ -124,6 +126,7 @@ class Engine:
         self.cfg = self.cfg.replace(matmul_impl=resolve_matmul_impl(matmul))
         self.quantized = False
         if self.cfg.matmul_impl == "cpu_kernel":
+            self.draft_rows = resolve_draft_rows(draft_rows)
             say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
             try:  # the GGUF may be gone from the cache while its conversion stays: fall back, say so
                 gguf = model_gguf(model)

@@ -105,23 +105,46 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
 
     from eagle_jax.autotune import default_budget_path, load_budget
 
+    from eagle_jax import autotune
+
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
+    released = []
+    real_release = autotune.release_programs
+
+    def release():  # each measured tree's compiled programs are dropped (memory maps), none left behind
+        from eagle_jax.speculative import speculative_generate
+
+        assert speculative_generate._cache_size() > 0
+        real_release()
+        released.append(speculative_generate._cache_size())
+
+    monkeypatch.setattr(autotune, "release_programs", release)
     prompts = _prompt_file(tmp_path / "p.jsonl", ["w5 w6"])
     assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "5",
                        "--methods", "vanilla,eagle3", "--drafter", "random", "--total-tokens", "auto",
-                       "--auto-candidates", "4,7", "--profile-reps", "0", "--plots", str(tmp_path / "plots"),
-                       "--json"]) == 0
+                       "--auto-candidates", "4,7", "--auto-shapes", "1:2", "--profile-reps", "0",
+                       "--plots", str(tmp_path / "plots"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     rec = out["autotune"]["eagle3"]
     rows = rec["candidates"]
-    assert [r["total_tokens"] for r in rows] == [4, 7]
+    shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"])
+    # the sizes with the default tree's top-k 4 (depth 5, clamped to N - 2), then shape 1:2 at the better
+    # size, then the sizes with the better shape; no tree twice
+    assert [shape(r) for r in rows[:2]] == [(4, 2, 4), (7, 5, 4)]
+    first = max(rows[:2], key=lambda r: r["expected_tokens_per_s"])
+    assert shape(rows[2]) == (first["total_tokens"], 1, 2)
+    assert len({shape(r) for r in rows}) == len(rows)
+    assert released == [0] * len(rows)
     best = max(rows, key=lambda r: r["expected_tokens_per_s"])
-    assert rec["budget"]["total_tokens"] == best["total_tokens"]
+    assert (rec["budget"]["total_tokens"], rec["budget"]["depth"], rec["budget"]["top_k"]) == shape(best)
+    if (best["depth"], best["top_k"]) == (1, 2):
+        assert {shape(r) for r in rows[2:]} == {(4, 1, 2), (7, 1, 2)}
     for r in rows:
         assert abs(r["expected_tokens_per_s"] - 1e3 * r["tau"] / r["step_ms"]) < 1e-6
     assert f"total_tokens={best['total_tokens']}" in out["settings"]["budgets"]["eagle3"]  # the run used it
     path = default_budget_path(str(tiny_hf_dir), "eagle3", "random")
-    assert rec["saved_to"] == str(path) and load_budget(path, "eagle3").total_tokens == best["total_tokens"]
+    saved = load_budget(path, "eagle3")
+    assert rec["saved_to"] == str(path) and (saved.total_tokens, saved.depth, saved.top_k) == shape(best)
     assert (tmp_path / "plots" / "budget.png").exists()
 
     r = subprocess.run([sys.executable, "-m", "eagle_jax.serve", "--model", str(tiny_hf_dir), "--prompt", "w5",
@@ -148,6 +171,36 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     assert f"total_tokens={best['total_tokens']}," in out["settings"]["budgets"]["eagle3"]
     with pytest.raises(ValueError, match="eagle2"):
         load_budget(path, "eagle2")
+
+
+def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice():
+    """The coordinate search (sizes, then shapes at the best size, then sizes with the best shape)
+    on a made-up cost surface whose optimum needs both steps: 6 tokens, depth 1, top-k 3."""
+    from eagle_jax.autotune import parse_shapes, search_budgets
+    from eagle_jax.draft import TreeBudget
+
+    seen = []
+
+    def measure(b):
+        seen.append((b.total_tokens, b.depth, b.top_k))
+        return {"expected_tokens_per_s": 100 - abs(b.total_tokens - 5) - 3 * abs(b.depth - 1) - 2 * abs(b.top_k - 3)
+                - (b.total_tokens == 6) * -1.5}
+
+    base = TreeBudget("dynamic", total_tokens=24, depth=5, top_k=4)
+    best, rows = search_budgets([3, 4, 5, 6, 8], parse_shapes("1:2,1:3,2:3,3:3,9:9,1:1"), base, measure)
+    assert (best.total_tokens, best.depth, best.top_k) == (6, 1, 3)
+    assert len(seen) == len(set(seen)) == len(rows)  # each distinct (clamped) tree once
+    assert seen[:5] == [(3, 1, 4), (4, 2, 4), (5, 3, 4), (6, 4, 4), (8, 5, 4)]  # depth clamped to N - 2
+    assert (3, 1, 1) in seen and (3, 1, 9) in seen  # 9:9 clamped to depth 1 at 3 tokens
+    narrow = TreeBudget("dynamic", total_tokens=3, depth=1, top_k=1)  # 2 nodes below the root at most
+    assert [r["total_tokens"] for r in search_budgets([3, 5], (), narrow, measure)[1]] == [3]
+    assert max(rows, key=lambda r: r["expected_tokens_per_s"])["total_tokens"] == 6
+    assert search_budgets([4], (), base, measure)[0] == TreeBudget("dynamic", total_tokens=4, depth=2, top_k=4)
+    with pytest.raises(ValueError, match="DEPTH:TOP_K"):
+        parse_shapes("2x4")
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_shapes("0:4")
+    assert parse_shapes("none") == ()
 
 
 def test_budget_flags_are_checked(tmp_path, monkeypatch):

@@ -107,12 +107,66 @@ def test_float16_rows_equal_f32_kernel_on_widened_weights_bit_for_bit(m):
         cm.hmatmul(jnp.zeros((1, 64)), jnp.zeros((8, 64), jnp.float32))
 
 
-@pytest.mark.parametrize("rows", ["f16", "q8_0"])
+needs_b16 = pytest.mark.skipif(not cm.b16_available(), reason="the CPU kernel has no AVX512-BF16 here")
+
+
+def _bf16(a):
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@needs_b16
+@pytest.mark.parametrize("k,n", [(40, 80), (576, 192), (1536, 48), (2, 16), (64, 37)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 13, 16])
+def test_b16_kernel_is_the_bfloat16_product(k, n, m):
+    """x and w rounded to bfloat16 (to nearest even, as JAX's cast), then multiplied with float32
+    sums: partial tiles (n % 64, n % 16), a K that is not a multiple of 32, more than 8 rows (two passes)."""
+    rng = np.random.default_rng(k * 100 + n + m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = cm.pack_b16(w)
+    assert packed.shape == (-(-n // cm.B16_TILE), k // 2, cm.B16_TILE) and packed.dtype == np.uint32
+    np.testing.assert_array_equal(cm.unpack_b16(packed, n), _bf16(w))
+    got = np.asarray(_jit(lambda x, p: cm.bmatmul(x, p, n))(x, jnp.asarray(packed)))
+    ref = _bf16(x).astype(np.float64) @ _bf16(w).astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(ref).max())
+
+
+def test_b16_packing_rounds_to_nearest_even_and_checks_shapes(monkeypatch):
+    from eagle_jax.models.quantized import resolve_draft_rows
+
+    one = np.float32(1.0).view(np.uint32)
+    ties = np.array([one + 0x8000, one + 0x18000, one + 0x7FFF, one + 0x8001], np.uint32).view(np.float32)
+    w = np.zeros((2, 16), np.float32)
+    w[0, :4], w[1, :4] = ties, -ties
+    np.testing.assert_array_equal(cm.unpack_b16(cm.pack_b16(w), 16), _bf16(w))
+    np.testing.assert_array_equal(cm.unpack_b16(cm.pack_b16(w), 16)[0, :4], [1.0, 1 + 2 ** -6, 1.0, 1 + 2 ** -7])
+    with pytest.raises(ValueError, match="even K"):
+        cm.pack_b16(np.zeros((3, 16), np.float32))
+    long_k = cm.B16_MAX_K + 2
+    with pytest.raises(ValueError, match="at most"):
+        cm.bmatmul(jnp.zeros((1, long_k)), jnp.zeros((1, long_k // 2, cm.B16_TILE), jnp.uint32), 16)
+    from eagle_jax.models.quantized import attach_b16_rows
+
+    held = attach_b16_rows({"a": {"kernel": jnp.ones((long_k, 16))}, "b": {"kernel": jnp.ones((4, 16))}})
+    assert "b16" not in held["a"] and "b16" in held["b"]  # rows too long for the kernel keep float32
+    with pytest.raises(ValueError, match="do not fit"):
+        cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 80)
+    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else "q8_0")
+    monkeypatch.setitem(cm._state, "b16", False)  # a CPU without AVX512-BF16
+    assert resolve_draft_rows("auto") == "q8_0"
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        resolve_draft_rows("b16")
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 16)
+
+
+@pytest.mark.parametrize("rows", ["f16", "q8_0", pytest.param("b16", marks=needs_b16)])
 def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_path, rows):
     """A draft head stored in float16 and loaded under the kernel keeps compact rows beside every
-    Dense kernel: its float16 values exactly ("f16"), or Q8_0 blocks whose dequantised values also
-    replace the float32 kernel ("q8_0": every path computes the same quantised head). Drafting reads
-    them (zeroing them zeroes fc's output), the XLA path agrees, and decoding stays lossless."""
+    Dense kernel: its float16 values exactly ("f16"), or Q8_0 blocks / bfloat16 tiles whose values
+    also replace the float32 kernel ("q8_0", "b16": every path computes with the same weights).
+    Drafting reads them (zeroing them zeroes fc's output), the XLA path agrees (b16: to the
+    rounding of x to bfloat16), and decoding stays lossless."""
     from gguf import GGMLQuantizationType
 
     from eagle_jax.draft import DraftConfig, TreeBudget, fuse_features, init_head, load_drafter, save_drafter
@@ -135,6 +189,9 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
             assert node["f16"].dtype == jnp.float16
             np.testing.assert_array_equal(np.asarray(node["f16"]).T.astype(np.float32), w)
             np.testing.assert_array_equal(w, np.asarray(ref["kernel"]))
+        elif rows == "b16":
+            np.testing.assert_array_equal(cm.unpack_b16(np.asarray(node["b16"]), w.shape[1]), w)
+            np.testing.assert_array_equal(w, _bf16(ref["kernel"]))
         else:
             deq = quants.dequantize(np.asarray(node["q8_0"]), GGMLQuantizationType.Q8_0).astype(np.float32)
             np.testing.assert_array_equal(deq.T, w)  # the float32 kernel is the quantised head
@@ -146,8 +203,13 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
     feats = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, loaded.cfg.feature_size)), jnp.float32)
     fuse = jax.jit(fuse_features)
     xla_same = loaded.replace(cfg=loaded.cfg.replace(layer=loaded.cfg.layer.replace(matmul_impl="xla")))
-    np.testing.assert_allclose(np.asarray(fuse(loaded, feats)), np.asarray(fuse(xla_same, feats)), rtol=1e-5,
-                               atol=1e-5)
+    got, want = np.asarray(fuse(loaded, feats)), np.asarray(fuse(xla_same, feats))
+    if rows == "b16":  # x rounded to bfloat16 (relative error <= 2^-9 per element) against float32 x
+        w_fc = np.abs(np.asarray(loaded.params["fc"]["kernel"]))
+        bound = 2 ** -9 * (np.abs(np.asarray(feats)).reshape(-1, w_fc.shape[0]) @ w_fc) + 1e-5
+        assert np.all(np.abs(got - want).reshape(bound.shape) <= bound)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     fc = loaded.params["fc"]
     zeroed = loaded.replace(params=dict(loaded.params, fc=dict(fc, **{rows: jnp.zeros_like(fc[rows])})))
     assert np.abs(np.asarray(fuse(zeroed, feats))).max() == 0  # the product read the rows

@@ -9,6 +9,9 @@
 //   eagle_jax_matmul_kn: y[M, N] = x[M, K] @ w[K, N]   (Flax `Dense` kernels)
 //   eagle_jax_matmul_nk: y[M, N] = x[M, K] @ w[N, K]^T (tied embeddings used as the LM head)
 //   eagle_jax_matmul_f16: y = x @ w[N, K]^T with w stored as float16 (draft heads), widened exactly
+//   eagle_jax_matmul_b16: y = x @ w with w as bfloat16 pairs packed in 64-column tiles (draft heads
+//     only: x is rounded to bfloat16 too and the products use AVX512-BF16's dot instruction, two
+//     multiply-adds per lane and instruction, no exactness; built where the CPU has AVX512-BF16)
 //   eagle_jax_matmul_q4_1 / _q8_0: the same with w as GGUF Q4_1 / Q8_0 rows (uint8 [N, K/32 * 20|34]),
 //     plus their float32 scales, dequantised in registers: a step reads ~120 MiB of SmolLM2's
 //     weights instead of 540 MB.
@@ -209,6 +212,71 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
   }
 }
 
+// ---------------------------------------------------------------- bfloat16 tiles (draft heads)
+// w packed as uint32 [ceil(N/64), K/2, 64]: word (tile, k2, j) holds bf16(w[2 k2, n]) in its low and
+// bf16(w[2 k2 + 1, n]) in its high half, n = 64 tile + j (zeros past N). A tile's K/2 x 256 bytes
+// are contiguous, and each output lane accumulates its own column, so no horizontal sums. The T
+// rows of x are rounded to bfloat16 pairs first. Drafting only: the sums are not float32's.
+constexpr int64_t kB16Tile = 64;
+constexpr int64_t kB16MaxK = 16384;
+#ifdef __AVX512BF16__
+constexpr bool kHaveB16 = true;
+template <int T>
+void b16_block(const float* x, const float* w_as_float, const float*, float* y, int64_t K, int64_t N, int64_t n0,
+               int64_t n1) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(w_as_float);  // BlockFn's signature; really pairs
+  const int64_t K2 = K / 2;
+  thread_local uint32_t xp[T * kB16MaxK / 2];
+  for (int t = 0; t < T; ++t) {
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + t * K + k + 16), _mm512_loadu_ps(x + t * K + k));
+      _mm512_storeu_si512(xp + t * K2 + k / 2, (__m512i)v);
+    }
+    if (k < K) {  // K % 32 (K is even): the last pairs, masked
+      const int64_t left = K - k;
+      const __mmask16 lo = (__mmask16)((1u << std::min<int64_t>(16, left)) - 1u);
+      const __mmask16 hi = (__mmask16)(left > 16 ? (1u << (left - 16)) - 1u : 0u);
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + t * K + k + 16),
+                                             _mm512_maskz_loadu_ps(lo, x + t * K + k));
+      _mm512_mask_storeu_epi32(xp + t * K2 + k / 2, (__mmask16)((1u << (left / 2)) - 1u), (__m512i)v);
+    }
+  }
+  constexpr int A = T <= 2 ? 2 : 1;  // few rows: two accumulator sets hide the instruction's latency
+  constexpr int J = kB16Tile / 16;    // a tile's 16-column vectors: T x J accumulators (T <= 4) in registers
+  for (int64_t n = n0; n < n1; n += kB16Tile) {
+    const uint32_t* wt = w + (n / kB16Tile) * K2 * kB16Tile;
+    __m512 acc[A][T][J];
+    for (int a = 0; a < A; ++a)
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < J; ++j) acc[a][t][j] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < K2; ++k2) {
+      const int a = A == 2 ? (int)(k2 & 1) : 0;
+      const uint32_t* wk = wt + k2 * kB16Tile;
+      __m512bh wv[J];
+      for (int j = 0; j < J; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 16 * j);
+      for (int t = 0; t < T; ++t) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[t * K2 + k2]);
+        for (int j = 0; j < J; ++j) acc[a][t][j] = _mm512_dpbf16_ps(acc[a][t][j], xv, wv[j]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < J; ++j) {
+        const int64_t c = n + 16 * j;
+        if (c >= n1) break;
+        __m512 v = acc[0][t][j];
+        if (A == 2) v = _mm512_add_ps(v, acc[A - 1][t][j]);
+        const __mmask16 m = n1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - c)) - 1u);
+        _mm512_mask_storeu_ps(y + t * N + c, m, v);
+      }
+  }
+}
+#else
+constexpr bool kHaveB16 = false;
+template <int T>
+void b16_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
 // ---------------------------------------------------------------- dispatch over rows and threads
 using BlockFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 
@@ -231,6 +299,25 @@ EAGLE_ROWS_FN(kn_fn, kn_block)
 EAGLE_ROWS_FN(nk_fn, nk_block)
 EAGLE_ROWS_FN(h16_fn, h16_block)
 
+template <int T>
+void b16_split(const float* x, const float* w, const float* s, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  b16_block<4>(x, w, s, y, K, N, n0, n1);  // more than 4 rows: 4, then the rest (accumulators fit registers)
+  b16_block<T - 4>(x + 4 * K, w, s, y + 4 * N, K, N, n0, n1);
+}
+
+BlockFn b16_fn(int t) {
+  switch (t) {
+    case 1: return b16_block<1>;
+    case 2: return b16_block<2>;
+    case 3: return b16_block<3>;
+    case 4: return b16_block<4>;
+    case 5: return b16_split<5>;
+    case 6: return b16_split<6>;
+    case 7: return b16_split<7>;
+    default: return b16_split<8>;
+  }
+}
+
 template <bool Q4>
 BlockFn q_fn(int t) {
   switch (t) {
@@ -245,7 +332,7 @@ BlockFn q_fn(int t) {
   }
 }
 
-enum class Kind { kKN, kNK, kQ41, kQ80, kH16 };
+enum class Kind { kKN, kNK, kQ41, kQ80, kH16, kB16 };
 
 struct Job {
   const float* x;
@@ -263,6 +350,7 @@ struct Job {
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const int t = (int)std::min<int64_t>(group, M - m0);
       BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t) : kind == Kind::kH16 ? h16_fn(t)
+                : kind == Kind::kB16 ? b16_fn(t)
                 : kind == Kind::kQ41 ? q_fn<true>(t) : q_fn<false>(t);
       f(x + m0 * K, static_cast<const float*>(w), scales, y + m0 * N, K, N, n0, n1);
     }
@@ -286,12 +374,13 @@ void Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scal
     return v && *v ? std::max<int64_t>(1, std::atoll(v)) : INT64_MAX;
   }();
   const int64_t threads = std::min(max_threads, std::max<int64_t>(1, pool.num_threads()));
-  const int64_t align = kind == Kind::kKN ? 16 : 4;
+  const int64_t align = kind == Kind::kKN ? 16 : kind == Kind::kB16 ? kB16Tile : 4;
   // Row-wise kinds (nk, quantized) take many small chunks: a helper thread that wakes late finds
   // little left to do, and the caller never waits for more than one chunk after its own. kn
   // streams every row of w across its chunk's columns, so its chunks stay wide.
   const int64_t chunks = threads == 1 ? 1
       : kind == Kind::kKN ? std::min<int64_t>(2 * threads, std::max<int64_t>(1, N / 256))
+      : kind == Kind::kB16 ? std::min<int64_t>(8 * threads, (N + kB16Tile - 1) / kB16Tile)
                           : std::min<int64_t>(8 * threads, std::max<int64_t>(1, N / 64));
   int64_t chunk = (N + chunks - 1) / chunks;
   chunk = (chunk + align - 1) / align * align;
@@ -336,7 +425,21 @@ ffi::Error HMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+ffi::Error BMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> w,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  if (!kHaveB16) return ffi::Error::Internal("built without AVX512-BF16: eagle_jax_matmul_b16 is unavailable");
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) return ffi::Error::InvalidArgument("x [M, K], w [tiles, K/2, 64]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (K % 2 || K > kB16MaxK || wd[1] != K / 2 || wd[2] != kB16Tile || wd[0] != (N + kB16Tile - 1) / kB16Tile)
+    return ffi::Error::InvalidArgument("bfloat16 tiles do not fit x and y (K even, K <= 16384)");
+  Run(pool, x.typed_data(), w.untyped_data(), nullptr, y->typed_data(), M, K, N, Kind::kB16);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+extern "C" int eagle_jax_has_b16() { return kHaveB16 ? 1 : 0; }
 
 #define EAGLE_F32_HANDLER(NAME, NK)                                                                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, [](ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,               \
@@ -357,6 +460,9 @@ EAGLE_F32_HANDLER(EagleMatmulKN, false);
 EAGLE_F32_HANDLER(EagleMatmulNK, true);
 EAGLE_Q_HANDLER(EagleMatmulQ41, true);
 EAGLE_Q_HANDLER(EagleMatmulQ80, false);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulB16, BMatmul,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulF16, HMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());

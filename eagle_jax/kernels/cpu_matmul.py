@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 _SOURCES = (Path(__file__).with_name("cpu_matmul.cc"), Path(__file__).with_name("cpu_attention.cc"))
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",
-            "q8_0": "eagle_jax_matmul_q8_0", "f16": "eagle_jax_matmul_f16", "attention": "eagle_jax_attention"}
+            "q8_0": "eagle_jax_matmul_q8_0", "f16": "eagle_jax_matmul_f16", "b16": "eagle_jax_matmul_b16",
+            "attention": "eagle_jax_attention"}
 _SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ41", "q8_0": "EagleMatmulQ80",
-            "f16": "EagleMatmulF16", "attention": "EagleAttention"}
+            "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "attention": "EagleAttention"}
 QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per 32 weights (ggml block layouts)
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (measured on a 2-core Xeon: 16 rows break even)
 MATMUL_IMPLS = ("xla", "cpu_kernel")
@@ -95,7 +96,7 @@ def _load() -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build()))
             for kind, name in _TARGETS.items():
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOLS[kind])), platform="cpu")
-            _state.update(ok=True, lib=lib)
+            _state.update(ok=True, lib=lib, b16=bool(lib.eagle_jax_has_b16()))
         except Exception as e:  # no compiler, no AVX-512, a failed build: XLA's matmuls are used
             _state.update(ok=False, why=str(e))
             log.info("CPU matmul kernel unavailable: %s", e)
@@ -159,6 +160,56 @@ def hmatmul(x: jax.Array, w_nk: jax.Array) -> jax.Array:
     if not available():
         raise RuntimeError(f"hmatmul needs the CPU matmul kernel, which is unavailable: {unavailable_reason()}")
     return _rows_call("f16", x, w_nk.shape[0], w_nk)
+
+
+B16_TILE = 64  # output columns per packed bfloat16 tile (cpu_matmul.cc)
+B16_MAX_K = 16384  # the longest rows of x the kernel rounds to bfloat16 (its per-thread buffer)
+
+
+def b16_available() -> bool:
+    """True when the kernel is available and was built with AVX512-BF16 (`bmatmul` runs here)."""
+    return _load() and _state.get("b16", False)
+
+
+def pack_b16(w_kn: np.ndarray) -> np.ndarray:
+    """A Dense kernel [K, N] (K even) rounded to bfloat16 (to nearest even) and packed
+    for `bmatmul`: uint32 [ceil(N/64), K/2, 64], word (tile, k2, j) = bf16(w[2k2, n]) | bf16(w[2k2+1, n]) << 16
+    with n = 64 tile + j (zero columns past N)."""
+    w = np.asarray(w_kn, np.float32)
+    k, n = w.shape
+    if k % 2:
+        raise ValueError(f"pack_b16: kernel {w.shape} needs an even K")
+    tiles = -(-n // B16_TILE)
+    u = w.view(np.uint32).astype(np.uint64)
+    bf = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)  # round to nearest even
+    bf = np.pad(bf, ((0, 0), (0, tiles * B16_TILE - n)))
+    pairs = bf[0::2] | (bf[1::2] << 16)  # [K/2, N_pad]
+    return np.ascontiguousarray(pairs.reshape(k // 2, tiles, B16_TILE).transpose(1, 0, 2))
+
+
+def unpack_b16(packed: np.ndarray, n: int) -> np.ndarray:
+    """The float32 kernel [K, N] whose bfloat16 values `packed` holds (`pack_b16`'s inverse on them)."""
+    p = np.asarray(packed, np.uint32)
+    tiles, k2, _ = p.shape
+    pairs = p.transpose(1, 0, 2).reshape(k2, tiles * B16_TILE)[:, :n]
+    out = np.empty((2 * k2, n), np.uint32)
+    out[0::2], out[1::2] = pairs << 16, pairs & 0xFFFF0000
+    return out.view(np.float32)
+
+
+def bmatmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """x[..., K] @ w → [..., n] float32 with `packed = pack_b16(w)`: x rounded to bfloat16, products
+    summed by AVX512-BF16 dot instructions (a draft head's approximation, not float32's result).
+    Only through the custom call (check `b16_available()`); at most `MAX_ROWS` rows."""
+    k = x.shape[-1]
+    if packed.dtype != jnp.uint32 or packed.ndim != 3 or packed.shape[1:] != (k // 2, B16_TILE) \
+            or packed.shape[0] != -(-n // B16_TILE) or k % 2 or k > B16_MAX_K:
+        raise ValueError(f"bmatmul: packed tiles {tuple(packed.shape)} {packed.dtype} do not fit K={k}, N={n} "
+                         f"(K even, at most {B16_MAX_K})")
+    if not b16_available():
+        raise RuntimeError("bmatmul needs the CPU matmul kernel built with AVX512-BF16: "
+                           + (unavailable_reason() or "this CPU has no AVX512-BF16"))
+    return _rows_call("b16", x, n, packed)
 
 
 def quant_kind(variables) -> str | None:

@@ -118,7 +118,7 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
 
 
 
-DRAFT_ROWS = ("q8_0", "f16")
+DRAFT_ROWS = ("auto", "b16", "q8_0", "f16")
 
 
 def _with_dense_rows(params, rows_for):
@@ -157,6 +157,37 @@ def attach_q8_0_rows(params):
     return _with_dense_rows(params, rows_for)
 
 
+def attach_b16_rows(params):
+    """A draft head rounded to bfloat16 for the CPU kernel's AVX512-BF16 products: every 2-D Dense
+    `kernel` [in, out] (in even, at most 16384) gains its bfloat16 values packed in 64-column tiles
+    ("b16", `kernels.cpu_matmul.pack_b16`: each tile's weights contiguous, so a cold head streams
+    from memory at full speed), and the float32 `kernel` is replaced by those values, so XLA's
+    products use the same weights. Half of float32's bytes; the rows of x are rounded to bfloat16 as
+    well, so drafts are approximate (the output stays lossless: drafts are only proposals)."""
+    from ..kernels.cpu_matmul import B16_MAX_K, pack_b16, unpack_b16
+
+    def rows_for(w):
+        if w.shape[0] % 2 or w.shape[0] > B16_MAX_K:  # left to XLA's float32 product
+            return {}
+        packed = pack_b16(w)
+        return {"kernel": jnp.asarray(unpack_b16(packed, w.shape[1])), "b16": jnp.asarray(packed)}
+
+    return _with_dense_rows(params, rows_for)
+
+
+def resolve_draft_rows(rows: str) -> str:
+    """"auto" → "b16" where the kernel has AVX512-BF16, else "q8_0"; other choices are checked."""
+    from ..kernels.cpu_matmul import b16_available
+
+    if rows not in DRAFT_ROWS:
+        raise ValueError(f"draft rows must be one of {DRAFT_ROWS}, got {rows!r}")
+    if rows == "auto":
+        return "b16" if b16_available() else "q8_0"
+    if rows == "b16" and not b16_available():
+        raise RuntimeError("draft rows 'b16' need the CPU kernel built with AVX512-BF16, which this machine lacks")
+    return rows
+
+
 def attach_f16_rows(params):
     """Beside every 2-D Dense `kernel` [in, out] whose float32 values are all float16 numbers (a head
     stored in float16), keep them as float16 rows [out, in] ("f16"): `KernelDense` then reads half
@@ -173,8 +204,8 @@ def attach_f16_rows(params):
 
 
 def attach_draft_rows(params, rows: str):
-    """The compact rows a draft head keeps for the CPU kernel: "q8_0" (`attach_q8_0_rows`) or
-    "f16" (`attach_f16_rows`: the stored float16 values, exactly)."""
-    if rows not in DRAFT_ROWS:
-        raise ValueError(f"draft rows must be one of {DRAFT_ROWS}, got {rows!r}")
-    return attach_q8_0_rows(params) if rows == "q8_0" else attach_f16_rows(params)
+    """The compact rows a draft head keeps for the CPU kernel: "b16" (`attach_b16_rows`), "q8_0"
+    (`attach_q8_0_rows`), "f16" (`attach_f16_rows`: the stored float16 values, exactly) or "auto"
+    (`resolve_draft_rows`)."""
+    rows = resolve_draft_rows(rows)
+    return {"b16": attach_b16_rows, "q8_0": attach_q8_0_rows, "f16": attach_f16_rows}[rows](params)

@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head: 'default' (packaged), a directory in the released EAGLE layouts, "
                         "'random' (seeded random head) or 'oracle' (the target drafts for itself)")
     p.add_argument("--total-tokens", type=_tokens_arg, default=None,
-                   help="dynamic tree: nodes verified per step (root incl.), or 'auto': the size tuned for this "
-                        "model, drafter and device (tuned once and saved if there is none yet)")
+                   help="dynamic tree: nodes verified per step (root incl.), or 'auto': the tree (size, depth, "
+                        "top-k) tuned for this model, drafter and device (tuned once and saved if there is none yet)")
     p.add_argument("--budget-config", type=Path, default=None,
                    help="a tree budget saved by `python -m eagle_jax.bench --total-tokens auto` (JSON)")
     p.add_argument("--depth", type=int, default=None, help="dynamic tree: expansion steps")
@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul", default="auto", choices=("auto", "cpu_kernel", "xla"),
                    help="weight products: the AVX-512 few-row kernel (reads a GGUF model's Q4_1/Q8_0 blocks; same "
                         "float32 results), XLA's dot, or auto (the kernel on an AVX-512 CPU where it builds)")
-    p.add_argument("--draft-rows", default="q8_0", choices=("q8_0", "f16"),
-                   help="with the CPU kernel: the draft head quantised to Q8_0 (fastest drafting; output unchanged) "
-                        "or its float16 checkpoint values exactly")
+    p.add_argument("--draft-rows", default="auto", choices=("auto", "b16", "q8_0", "f16"),
+                   help="with the CPU kernel: the draft head rounded to bfloat16 for AVX512-BF16 products (b16), "
+                        "quantised to Q8_0, or its float16 checkpoint values exactly; auto: b16 where the CPU has "
+                        "AVX512-BF16, else q8_0 (the output is the same whichever)")
     p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
                    help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
                         "or auto (unroll on CPU, scan elsewhere); the same numbers either way")

@@ -52,7 +52,7 @@ class ServeOptions:
     attention: str = "reference"
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
     matmul: str = "auto"  # weight products: cpu_kernel | xla | auto (Engine's `matmul`)
-    draft_rows: str = "q8_0"  # the head's rows for the CPU kernel: q8_0 | f16 (Engine's `draft_rows`)
+    draft_rows: str = "auto"  # the head's rows for the CPU kernel: auto | b16 | q8_0 | f16 (Engine's `draft_rows`)
     max_cache_len: int = SERVING_CACHE_LEN
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len
     max_active: int = 8
