@@ -103,9 +103,8 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     import subprocess
     import sys
 
-    from eagle_jax.autotune import default_budget_path, load_budget
-
     from eagle_jax import autotune
+    from eagle_jax.autotune import default_budget_path, load_budget
 
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
     released = []
@@ -184,7 +183,7 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     def measure(b):
         seen.append((b.total_tokens, b.depth, b.top_k))
         return {"expected_tokens_per_s": 100 - abs(b.total_tokens - 5) - 3 * abs(b.depth - 1) - 2 * abs(b.top_k - 3)
-                - (b.total_tokens == 6) * -1.5}
+                + 1.5 * (b.total_tokens == 6)}
 
     base = TreeBudget("dynamic", total_tokens=24, depth=5, top_k=4)
     best, rows = search_budgets([3, 4, 5, 6, 8], parse_shapes("1:2,1:3,2:3,3:3,9:9,1:1"), base, measure)

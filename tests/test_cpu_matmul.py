@@ -119,7 +119,8 @@ def _bf16(a):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 13, 16])
 def test_b16_kernel_is_the_bfloat16_product(k, n, m):
     """x and w rounded to bfloat16 (to nearest even, as JAX's cast), then multiplied with float32
-    sums: partial tiles (n % 64, n % 16), a K that is not a multiple of 32, more than 8 rows (two passes)."""
+    sums: partial tiles (n % 64, n % 16), a K that is not a multiple of 32, more than 4 rows (passes of
+    at most 4 over the tiles) and more than 8 (two groups)."""
     rng = np.random.default_rng(k * 100 + n + m)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
