@@ -103,17 +103,14 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
     of `shapes` at the best size, then every size with the best shape. `measure(budget)` returns a
     row with "expected_tokens_per_s"; each distinct tree (after TreeBudget's clamping) is measured
     once. Returns (the best budget, the rows in measurement order)."""
-    rows, seen = [], {}
+    rows, seen = [], set()
 
     def run(n, depth, top_k):
         budget = _valid(n, depth, top_k)
-        if budget is None:
+        if budget is None or budget in seen:
             return
-        key = (budget.total_tokens, budget.depth, budget.top_k)
-        if key not in seen:
-            row = dict(measure(budget), total_tokens=budget.total_tokens, depth=budget.depth, top_k=budget.top_k)
-            seen[key] = row
-            rows.append(row)
+        seen.add(budget)
+        rows.append(dict(measure(budget), total_tokens=budget.total_tokens, depth=budget.depth, top_k=budget.top_k))
 
     best = lambda: max(rows, key=lambda r: r["expected_tokens_per_s"])
     for n in sizes:

@@ -26,8 +26,8 @@ Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tr
 prompt-lookup decoding). The eagle methods take their heads from `--drafter`.
 
 `--total-tokens auto` first tunes the dynamic tree of eagle2/eagle3 on this device (its size,
-then its depth and top-k: autotune.py), saves it where `python -m eagle_jax.serve --total-tokens auto` finds it, and
-benchmarks with it. Without tree flags each method runs the tree serve would run: a budget tuned
+then its depth and top-k: autotune.py), saves it where `python -m eagle_jax.serve --total-tokens
+auto` finds it, and benchmarks with it. Without tree flags each method runs the tree serve would run: a budget tuned
 on this device before, else the one packaged for this platform, else the default tree.
 
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel

@@ -299,22 +299,12 @@ EAGLE_ROWS_FN(kn_fn, kn_block)
 EAGLE_ROWS_FN(nk_fn, nk_block)
 EAGLE_ROWS_FN(h16_fn, h16_block)
 
-template <int T>
-void b16_split(const float* x, const float* w, const float* s, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  b16_block<4>(x, w, s, y, K, N, n0, n1);  // more than 4 rows: 4, then the rest (accumulators fit registers)
-  b16_block<T - 4>(x + 4 * K, w, s, y + 4 * N, K, N, n0, n1);
-}
-
-BlockFn b16_fn(int t) {
+BlockFn b16_fn(int t) {  // at most 4 rows a pass (Job::run_chunk): the T x 4 accumulators fit registers
   switch (t) {
     case 1: return b16_block<1>;
     case 2: return b16_block<2>;
     case 3: return b16_block<3>;
-    case 4: return b16_block<4>;
-    case 5: return b16_split<5>;
-    case 6: return b16_split<6>;
-    case 7: return b16_split<7>;
-    default: return b16_split<8>;
+    default: return b16_block<4>;
   }
 }
 
@@ -346,7 +336,7 @@ struct Job {
 
   void run_chunk(int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-    const int64_t group = 8;  // rows of x per pass over the weights
+    const int64_t group = kind == Kind::kB16 ? 4 : 8;  // rows of x per pass over the weights
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const int t = (int)std::min<int64_t>(group, M - m0);
       BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t) : kind == Kind::kH16 ? h16_fn(t)

@@ -175,13 +175,14 @@ def pack_b16(w_kn: np.ndarray) -> np.ndarray:
     """A Dense kernel [K, N] (K even) rounded to bfloat16 (to nearest even) and packed
     for `bmatmul`: uint32 [ceil(N/64), K/2, 64], word (tile, k2, j) = bf16(w[2k2, n]) | bf16(w[2k2+1, n]) << 16
     with n = 64 tile + j (zero columns past N)."""
+    import ml_dtypes
+
     w = np.asarray(w_kn, np.float32)
     k, n = w.shape
     if k % 2:
         raise ValueError(f"pack_b16: kernel {w.shape} needs an even K")
     tiles = -(-n // B16_TILE)
-    u = w.view(np.uint32).astype(np.uint64)
-    bf = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)  # round to nearest even
+    bf = w.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)  # rounded to nearest even
     bf = np.pad(bf, ((0, 0), (0, tiles * B16_TILE - n)))
     pairs = bf[0::2] | (bf[1::2] << 16)  # [K/2, N_pad]
     return np.ascontiguousarray(pairs.reshape(k // 2, tiles, B16_TILE).transpose(1, 0, 2))
