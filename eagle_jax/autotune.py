@@ -11,8 +11,9 @@ steps and `top_k` children per expanded node. For each one measured:
 - expected tokens/s = tau / step time.
 
 The search is coordinate-wise (`search_budgets`): every candidate size with the starting depth and
-top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every size again with
-the best shape. Where a step costs much more per verified token than per expansion (a CPU) small,
+top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every length of the
+prompt-lookup chain (`lookups`, `TreeBudget.lookup`) at the best tree; then every size again with
+the best shape and chain. Where a step costs much more per verified token than per expansion (a CPU) small,
 shallow, narrow trees win; where verification is nearly free (an accelerator) deep, wide ones do.
 Trees that are the same after `TreeBudget`'s clamping are measured once. The candidate with the
 highest expected tokens/s wins. Plain decoding is timed on the same prompts, so every candidate
@@ -25,6 +26,7 @@ find it by themselves (no tree flags, or `--total-tokens auto`, which tunes when
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -39,6 +41,7 @@ from .step_profile import profile_spec_step
 
 DEFAULT_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48)
 DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
+DEFAULT_LOOKUPS = (0, 2, 3, 4, 6)  # prompt-lookup chain lengths
 
 
 def budget_dir() -> Path:
@@ -91,51 +94,78 @@ def parse_shapes(spec: str) -> tuple:
     return tuple(out)
 
 
-def _valid(n: int, depth: int, top_k: int) -> Optional[TreeBudget]:
+def parse_lookups(spec: str) -> tuple:
+    """"0,3,6" → (0, 3, 6) (prompt-lookup chain lengths); "none" or "" → () (the start's only)."""
+    spec = (spec or "").strip()
+    if spec.lower() in ("", "none"):
+        return ()
     try:
-        return TreeBudget("dynamic", total_tokens=n, depth=depth, top_k=top_k)
+        out = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"lookup lengths {spec!r} are not comma-separated integers (e.g. 0,3,6)") from None
+    if any(x < 0 for x in out):
+        raise ValueError(f"lookup lengths must be >= 0, got {spec!r}")
+    return out
+
+
+def _valid(n: int, depth: int, top_k: int, lookup: int = 0) -> Optional[TreeBudget]:
+    try:
+        return TreeBudget("dynamic", total_tokens=n, depth=depth, top_k=top_k, lookup=lookup)
     except ValueError:  # more nodes than this depth and top-k can offer
         return None
 
 
-def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudget], dict]) -> tuple[TreeBudget, list]:
-    """Coordinate search over dynamic trees: every size with base's (depth, top_k), then every shape
-    of `shapes` at the best size, then every size with the best shape. `measure(budget)` returns a
-    row with "expected_tokens_per_s"; each distinct tree (after TreeBudget's clamping) is measured
-    once. Returns (the best budget, the rows in measurement order)."""
+def budget_fields(b: TreeBudget) -> dict:
+    """The JSON fields of a dynamic budget (what `load_budget` reads back)."""
+    return {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k, "lookup": b.lookup}
+
+
+def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudget], dict],
+                   lookups=()) -> tuple[TreeBudget, list]:
+    """Coordinate search over dynamic trees: every size with base's (depth, top_k, lookup), then
+    every shape of `shapes` at the best size, then every chain length of `lookups` at the best tree,
+    then every size with the best shape and chain. `measure(budget)` returns a row with
+    "expected_tokens_per_s"; each distinct tree (after TreeBudget's clamping) is measured once.
+    Returns (the best budget, the rows in measurement order)."""
     rows, seen = [], set()
 
-    def run(n, depth, top_k):
-        budget = _valid(n, depth, top_k)
+    def run(n, depth, top_k, lookup):
+        budget = _valid(n, depth, top_k, lookup)
         if budget is None or budget in seen:
             return
         seen.add(budget)
-        rows.append(dict(measure(budget), total_tokens=budget.total_tokens, depth=budget.depth, top_k=budget.top_k))
+        rows.append(dict(measure(budget), **budget_fields(budget)))
 
     best = lambda: max(rows, key=lambda r: r["expected_tokens_per_s"])
     for n in sizes:
-        run(n, base.depth, base.top_k)
+        run(n, base.depth, base.top_k, base.lookup)
     if not rows:
         raise ValueError(f"no candidate tree size fits depth {base.depth}, top-k {base.top_k}")
-    if shapes:
-        n_best = best()["total_tokens"]
+    if shapes or lookups:
+        b = best()
         for depth, top_k in shapes:
-            run(n_best, depth, top_k)
-        shape = (best()["depth"], best()["top_k"])
+            run(b["total_tokens"], depth, top_k, b["lookup"])
+        b = best()
+        for lookup in lookups:
+            run(b["total_tokens"], b["depth"], b["top_k"], lookup)
+        b = best()
         for n in sizes:
-            run(n, *shape)
+            run(n, b["depth"], b["top_k"], b["lookup"])
     b = best()
-    return TreeBudget("dynamic", total_tokens=b["total_tokens"], depth=b["depth"], top_k=b["top_k"]), rows
+    return _valid(b["total_tokens"], b["depth"], b["top_k"], b["lookup"]), rows
 
 
 def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates=DEFAULT_CANDIDATES,
-                    shapes=DEFAULT_SHAPES, max_new_tokens: int = 64, reps: int = 20,
+                    shapes=DEFAULT_SHAPES, lookups=DEFAULT_LOOKUPS, max_new_tokens: int = 64, reps: int = 20,
                     log: Optional[Callable[[str], None]] = None) -> dict:
     """Measure candidate trees (`search_budgets`: sizes `candidates`, shapes (depth, top_k) `shapes`,
-    none: sizes only); set the winner as `engine.budgets[method]`; return the record."""
+    prompt-lookup chains `lookups`, the first of them while sizes and shapes are searched; empty: not
+    searched, the engine's budget's); set the winner as `engine.budgets[method]`; return the record."""
     if method not in ("eagle2", "eagle3"):
         raise ValueError(f"autotuning sizes a dynamic tree (eagle2, eagle3); {method} has a static tree")
     base = engine.budgets[method]
+    if lookups:  # sizes and shapes are searched with the first chain length listed (the default: none)
+        base = dataclasses.replace(base, lookup=tuple(lookups)[0])
     cache_len = max(len(p) for p in prompts) + max_new_tokens + 64
     say = log or (lambda s: None)
 
@@ -156,18 +186,18 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
         row = {"tau": tau, "step_ms": prof["step_ms"], "draft_ms": prof["draft_ms"],
                "verify_ms": prof["verify_ms"], "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
                "measured_tokens_per_s": tps, "measured_speedup": tps / vanilla_tps}
-        say(f"autotune {method}: N={budget.total_tokens} depth {budget.depth} top-k {budget.top_k}: tau {tau:.2f}, "
+        say(f"autotune {method}: N={budget.total_tokens} depth {budget.depth} top-k {budget.top_k} "
+            f"lookup {budget.lookup}: tau {tau:.2f}, "
             f"step {prof['step_ms']:.1f} ms (verify {prof['verify_ms']:.1f}), expected "
             f"{row['expected_tokens_per_s']:.1f} tok/s, measured {tps:.1f}")
         return row
 
     sizes = sorted({int(n) for n in candidates})
-    chosen, rows = search_budgets(sizes, tuple(shapes or ()), base, measure)
+    chosen, rows = search_budgets(sizes, tuple(shapes or ()), base, measure, tuple(lookups or ()))
     engine.budgets[method] = chosen
-    say(f"autotune {method}: chose {chosen.total_tokens} tree tokens (depth {chosen.depth}, top-k {chosen.top_k})")
-    return {"method": method, "model": engine.name, "device": device_tag(),
-            "budget": {"kind": "dynamic", "total_tokens": chosen.total_tokens, "depth": chosen.depth,
-                       "top_k": chosen.top_k},
+    say(f"autotune {method}: chose {chosen.total_tokens} tree tokens (depth {chosen.depth}, top-k {chosen.top_k}, "
+        f"lookup {chosen.lookup})")
+    return {"method": method, "model": engine.name, "device": device_tag(), "budget": budget_fields(chosen),
             "vanilla_tokens_per_s": vanilla_tps, "candidates": rows, "max_new_tokens": max_new_tokens,
             "prompts": len(prompts), "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
@@ -189,7 +219,7 @@ def load_budget(path: Path, method: Optional[str] = None) -> TreeBudget:
         if method is not None and rec.get("method", method) != method:
             raise ValueError(f"{path} was tuned for {rec['method']}, not {method}")
         return TreeBudget(b.get("kind", "dynamic"), total_tokens=int(b["total_tokens"]), depth=int(b["depth"]),
-                          top_k=int(b["top_k"]))
+                          top_k=int(b["top_k"]), lookup=int(b.get("lookup", 0)))
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read a tree budget from {path}: {type(e).__name__}: {e}") from e
 
@@ -203,10 +233,11 @@ def calibration_prompts(engine, n: int = 3) -> list[list[int]]:
 
 
 def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str], None]] = None,
-                  drafter: str = "", candidates=DEFAULT_CANDIDATES, shapes=DEFAULT_SHAPES) -> dict:
+                  drafter: str = "", candidates=DEFAULT_CANDIDATES, shapes=DEFAULT_SHAPES,
+                  lookups=DEFAULT_LOOKUPS) -> dict:
     """Autotune `method` on the calibration prompts, set it on the engine and save it to `path`."""
     rec = autotune_budget(engine, method, calibration_prompts(engine), candidates=candidates, shapes=shapes,
-                          log=log)
+                          lookups=lookups, log=log)
     rec["drafter"] = drafter
     rec["saved_to"] = str(save_budget(rec, path))
     if log:
@@ -215,24 +246,35 @@ def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str],
 
 
 def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=None, top_k=None,
-                   budget_config=None, log: Optional[Callable[[str], None]] = None):
+                   budget_config=None, log: Optional[Callable[[str], None]] = None, lookup: Optional[int] = None):
     """The tree budget the CLI flags ask for: (TreeBudget or None for vanilla, path to tune into or None).
+
+    lookup (--lookup N) replaces the prompt-lookup chain of whichever budget the other flags pick.
 
     --budget-config FILE loads a saved budget; --total-tokens auto loads the one tuned for this
     model / method / drafter / device if it was saved before, else asks the caller to tune it
     (and save it to the returned path); no tree flag at all picks up a budget saved for this device,
     else one packaged for this platform (eagle_jax/assets/budgets/), else `engine.default_budget`."""
-    from .engine import default_budget
-
     if method == "vanilla":
         return None, None
+    budget, path = _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_config, log)
+    if lookup is not None:
+        budget = dataclasses.replace(budget, lookup=lookup)
+        if log:
+            log(f"prompt-lookup chain of {lookup} tokens (--lookup)")
+    return budget, path
+
+
+def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_config, log):
+    from .engine import default_budget
+
     if budget_config is not None:
         if total_tokens is not None:
             raise ValueError("give either --budget-config or --total-tokens, not both")
         budget = load_budget(budget_config, method)
         if log:
             log(f"tree budget from {budget_config}: {budget.total_tokens} tokens, depth {budget.depth}, "
-                f"top-k {budget.top_k}")
+                f"top-k {budget.top_k}, lookup {budget.lookup}")
         return budget, None
     if total_tokens == "auto":
         if method == "eagle1":
@@ -242,7 +284,7 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
             budget = load_budget(path, method)
             if log:
                 log(f"tuned tree budget from {path}: {budget.total_tokens} tokens, depth {budget.depth}, "
-                    f"top-k {budget.top_k}")
+                    f"top-k {budget.top_k}, lookup {budget.lookup}")
             return budget, None
         if log:
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (a few minutes)")
@@ -253,7 +295,7 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
                 budget = load_budget(path, method)
                 if log:
                     log(f"tuned tree budget from {path}: {budget.total_tokens} tokens, depth {budget.depth}, "
-                        f"top-k {budget.top_k} (--total-tokens N overrides)")
+                        f"top-k {budget.top_k}, lookup {budget.lookup} (--total-tokens N overrides)")
                 return budget, None
     n = None if total_tokens is None else int(total_tokens)
     return default_budget(method, n, depth, top_k), None

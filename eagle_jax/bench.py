@@ -23,12 +23,14 @@ the full runs' time beyond it — the decoding loop alone, which the prefill doe
 Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tree), `eagle2`
 (EAGLE-1 head, dynamic tree), `eagle3` (EAGLE-3 head, dynamic tree), `hf` (transformers' greedy
 `generate` on the same weights, PyTorch on this machine's threads), `hf-pld` (transformers'
-prompt-lookup decoding). The eagle methods take their heads from `--drafter`.
+prompt-lookup decoding). The eagle methods take their heads from `--drafter`; their trees may carry
+a chain copied from the context by n-gram lookup (`--lookup N`, `TreeBudget.lookup`).
 
 `--total-tokens auto` first tunes the dynamic tree of eagle2/eagle3 on this device (its size,
-then its depth and top-k: autotune.py), saves it where `python -m eagle_jax.serve --total-tokens
-auto` finds it, and benchmarks with it. Without tree flags each method runs the tree serve would run: a budget tuned
-on this device before, else the one packaged for this platform, else the default tree.
+then its depth and top-k, then its lookup chain: autotune.py), saves it where `python -m
+eagle_jax.serve --total-tokens auto` finds it, and benchmarks with it. Without tree flags each
+method runs the tree serve would run: a budget tuned on this device before, else the one packaged
+for this platform, else the default tree.
 
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
 against the reference path; see eagle_jax/kernels/bench.py); `python -m eagle_jax.bench matmul`
@@ -45,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from .autotune import DEFAULT_CANDIDATES, DEFAULT_SHAPES, parse_shapes, resolve_budget
+from .autotune import DEFAULT_CANDIDATES, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups, parse_shapes, resolve_budget
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget
 from .serve.cli import read_prompts
@@ -284,6 +286,12 @@ def build_parser():
                    help="runs per part when timing a speculative step's drafting / verification (0: skip)")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None)
+    p.add_argument("--lookup", type=int, default=None,
+                   help="graft a chain of up to N tokens copied from the context by n-gram lookup onto every "
+                        "draft tree, in place of its N weakest nodes where a chain is found (0: none; default: what "
+                        "the tuned, packaged or default budget says; --total-tokens auto then keeps N)")
+    p.add_argument("--auto-lookups", default=",".join(map(str, DEFAULT_LOOKUPS)),
+                   help="prompt-lookup chain lengths that --total-tokens auto measures at the best tree, or 'none'")
     p.add_argument("--json", action="store_true", help="print the result JSON as the last stdout line")
     p.add_argument("--markdown", type=Path, default=None, help="also write the Markdown table here")
     return p
@@ -309,6 +317,7 @@ def main(argv=None) -> int:
         total_tokens = None if auto or args.total_tokens is None else int(args.total_tokens)
         candidates = [int(x) for x in args.auto_candidates.split(",") if x.strip()]
         shapes = parse_shapes(args.auto_shapes)
+        lookups = () if args.lookup is not None else parse_lookups(args.auto_lookups)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -324,14 +333,14 @@ def main(argv=None) -> int:
             if sub.is_dir():
                 spec = str(sub)
             flags = (total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else (None, None, None)
-            if auto:  # autotune_methods starts from the default tree's depth and top-k
-                budget = default_budget(m, *flags)
+            if auto:  # autotune_methods starts from the default tree's depth, top-k and lookup
+                budget = default_budget(m, *flags, lookup=args.lookup)
             else:  # what serve would run: the flags, else a budget tuned/packaged for this device
-                budget, _ = resolve_budget(args.model, m, args.drafter, *flags, log=log)
+                budget, _ = resolve_budget(args.model, m, args.drafter, *flags, log=log, lookup=args.lookup)
             engine.add_method(m, spec, budget)
     prompt_ids = {name: [engine.encode(p, raw=args.raw) for _, p in read_prompts(path)[: args.limit]]
                   for name, path in sets}
-    tuned = autotune_methods(engine, methods, args, candidates, shapes, log) if auto else {}
+    tuned = autotune_methods(engine, methods, args, candidates, shapes, lookups, log) if auto else {}
     log(f"prompt sets {[(n, len(v)) for n, v in prompt_ids.items()]}, {args.max_new_tokens} new tokens, "
         f"methods {methods}")
     rows_by_set = {}
@@ -373,7 +382,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def autotune_methods(engine, methods, args, candidates, shapes, log) -> dict:
+def autotune_methods(engine, methods, args, candidates, shapes, lookups, log) -> dict:
     """--total-tokens auto: tune eagle2/eagle3 on the CLI's example prompts (not a benchmark set)."""
     from .autotune import default_budget_path, tune_and_save
 
@@ -383,7 +392,7 @@ def autotune_methods(engine, methods, args, candidates, shapes, log) -> dict:
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
                     else default_budget_path(args.model, m, args.drafter))
             out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,
-                                   shapes=shapes)
+                                   shapes=shapes, lookups=lookups)
     return out
 
 
@@ -400,13 +409,15 @@ def full_markdown(result: dict) -> str:
                   f"{s['tree_tokens']} |" for m, s in splits.items()]
         parts.append("time per speculative step\n\n" + "\n".join(lines))
     for m, rec in result.get("autotune", {}).items():
-        lines = ["| tree tokens | depth | top-k | tau | step ms | expected tok/s | measured tok/s | measured speedup |",
-                 "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {r['tau']:.2f} | "
+        lines = ["| tree tokens | depth | top-k | lookup | tau | step ms | expected tok/s | measured tok/s | "
+                 "measured speedup |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {r.get('lookup', 0)} | "
+                  f"{r['tau']:.2f} | "
                   f"{r['step_ms']:.1f} | {r['expected_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | "
                   f"{r['measured_speedup']:.2f} |" for r in rec["candidates"]]
         b = rec["budget"]
-        parts.append(f"autotune {m}: chose {b['total_tokens']} tree tokens (depth {b['depth']}, top-k {b['top_k']})"
+        parts.append(f"autotune {m}: chose {b['total_tokens']} tree tokens (depth {b['depth']}, top-k {b['top_k']}, "
+                     f"lookup {b.get('lookup', 0)})"
                      "\n\n" + "\n".join(lines))
     return "\n\n".join(parts)
 

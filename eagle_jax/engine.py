@@ -33,17 +33,22 @@ from .tree import DEFAULT_STATIC_TREE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SPEC_METHODS = ("eagle1", "eagle2", "eagle3")
+DEFAULT_LOOKUP = 6  # prompt-lookup chain in the default dynamic tree (tuned and packaged budgets say their own)
 
 
 def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optional[int] = None,
-                   top_k: Optional[int] = None) -> TreeBudget:
+                   top_k: Optional[int] = None, lookup: Optional[int] = None) -> TreeBudget:
     """CPU-sized trees (verification cost grows fast with tokens on a CPU; see DESIGN.md):
-    eagle1 = the default static tree; eagle2/eagle3 = dynamic, 24 tokens, depth 5, top-k 4."""
+    eagle1 = the default static tree; eagle2/eagle3 = dynamic, 24 tokens, depth 5, top-k 4 and a
+    prompt-lookup chain of up to `DEFAULT_LOOKUP` of those tokens (at most N - 2; `TreeBudget.lookup`;
+    eagle1: none unless asked)."""
     if method == "eagle1":
         if any(v is not None for v in (total_tokens, depth, top_k)):
             raise ValueError("eagle1 uses a static tree; --total-tokens/--depth/--tree-top-k apply to eagle2/eagle3")
-        return TreeBudget("static", static_tree=DEFAULT_STATIC_TREE)
-    return TreeBudget("dynamic", total_tokens=total_tokens or 24, depth=depth or 5, top_k=top_k or 4)
+        return TreeBudget("static", static_tree=DEFAULT_STATIC_TREE, lookup=lookup or 0)
+    n = total_tokens or 24
+    return TreeBudget("dynamic", total_tokens=n, depth=depth or 5, top_k=top_k or 4,
+                      lookup=max(0, min(DEFAULT_LOOKUP, n - 2)) if lookup is None else lookup)
 
 
 def default_drafter_path(model_spec: str, kind: str) -> Optional[Path]:

@@ -3,7 +3,8 @@ losslessly, commit the accepted path, re-draft — one jitted function per (batc
 tree budget), every step on device.
 
 Per step, with P the committed length and the root t_P already chosen (not yet in the cache):
-  1. draft a tree of N nodes (root = t_P) from the head's state h_root;
+  1. draft a tree of N nodes (root = t_P) from the head's state h_root, with an optional chain
+     copied from the context by n-gram lookup grafted onto it (`TreeBudget.lookup`);
   2. one target pass over the N nodes at positions P + depth under the ancestor mask (keys/values
      land in cache slots P..P+N-1);
   3. accept: greedy (longest path of target argmaxes) or lossless sampling (drafts are deterministic
@@ -23,12 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from .decoding import count_trace, prefill
-from .draft.drafting import TreeBudget, draft_tree
+from .draft.drafting import Tree, TreeBudget, draft_candidates, draft_tree
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
 from .models.config import ModelConfig
 from .models.decoder import KVCache, forward, lm_logits
 from .sampling import SamplingParams, sample
-from .tree import accept_from_logits, ancestor_mask, node_depths
+from .tree import accept_from_logits, ancestor_mask, node_depths, rerank
+from .tree.lookup import graft_chain, lookup_chain
 
 
 class SpecOutput(NamedTuple):
@@ -106,7 +108,7 @@ def _start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_
     b, s = tokens_bs.shape
     rows = jnp.arange(b)
     capture = target_capture(tcfg, head)
-    tcache = KVCache.create(tcfg, b, s + budget.total_tokens)
+    tcache = KVCache.create(tcfg, b, s + budget.num_nodes)
     tcache, logits, feats = prefill(target_params, tcfg, tokens_bs, prompt_len_b, tcache, prefill_chunk, capture)
     root = sample(jax.random.fold_in(key, 0), logits, sp)
     dcache = seed_draft_cache(head, tokens_bs,
@@ -120,6 +122,24 @@ def _start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_
     done = ~live | _is_eos(root, eos_ids) | (num_new >= max_new_tokens) | (length >= s)
     return SpecState(jnp.int32(0), tcache, dcache, root, h_root, tokens, length, num_new, done, num_new,
                      jnp.zeros((b, s), jnp.int32))
+
+
+def propose_tree(head: DraftHead, target_params, tcfg: ModelConfig, st: "SpecState", budget: TreeBudget) -> Tree:
+    """The step's tree: the head's draft, with the lookup chain grafted on when `budget.lookup`
+    (`TreeBudget`: a dynamic tree gives the chain the rows of its `lookup` weakest nodes in the
+    batch rows where a chain adds nodes; a static tree gets `lookup` more rows)."""
+    if not budget.lookup:
+        return draft_tree(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
+    chain, chain_ok = lookup_chain(st.tokens, st.length, budget.lookup, budget.lookup_ngram)
+    if budget.kind == "static":
+        tree = draft_tree(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
+        return Tree(*graft_chain(*tree, chain, chain_ok))
+    cands = draft_candidates(head, target_params, tcfg, st.h_root, st.dcache, budget)
+    whole = rerank(*cands, st.root, budget.total_tokens)
+    short = rerank(*cands, st.root, budget.total_tokens - budget.lookup)
+    grafted = graft_chain(*short, chain, chain_ok)
+    use = jnp.any(grafted[2][:, budget.total_tokens - budget.lookup:], axis=1)[:, None]
+    return Tree(*(jnp.where(use, g, w) for g, w in zip(grafted, whole)))
 
 
 def verify_tree(target_params, tcfg: ModelConfig, head: DraftHead, tcache: KVCache, tree, depth: int):
@@ -144,7 +164,7 @@ def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_
     embed = target_params["embed_tokens"]["embedding"]
     k_step = jax.random.fold_in(key, step + 1)
     p = tcache.length
-    tree = draft_tree(head, target_params, tcfg, h_root, root, dcache, budget)
+    tree = propose_tree(head, target_params, tcfg, st, budget)
     out, logits = verify_tree(target_params, tcfg, head, tcache, tree, depth)
     acc_res = accept_from_logits(k_step, *tree, logits, sp, depth)
     m = jnp.where(done, 0, acc_res.num_accepted_b)

@@ -2,11 +2,12 @@
 
 One speculative step is a single jitted computation (draft → verify → accept → commit), so its
 parts cannot be timed from inside. `profile_spec_step` times them as separate jitted programs on
-a real state (after the prompt's prefill) — the drafting alone (`draft_tree`), the verification
-alone (the target's pass over the padded tree, logits included) and the whole step
-(`spec_advance` by one step) — each the median of `reps` runs after a warm-up. `other_ms` is the
-whole step minus the two parts (acceptance, the KV commit, re-feeding the head, dispatch); it is
-a difference of medians, so it can come out slightly negative on a noisy machine.
+a real state (after the prompt's prefill) — the drafting alone (`propose_tree`: the head's tree
+and any prompt-lookup chain), the verification alone (the target's pass over the padded tree,
+logits included) and the whole step (`spec_advance` by one step) — each the median of `reps` runs
+after a warm-up. `other_ms` is the whole step minus the two parts (acceptance, the KV commit,
+re-feeding the head, dispatch); it is a difference of medians, so it can come out slightly
+negative on a noisy machine.
 
     split = profile_spec_step(engine, "eagle3", engine.encode("Hi"))
     split["draft_ms"], split["verify_ms"], split["step_ms"]
@@ -22,14 +23,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .draft.drafting import TreeBudget, draft_tree
+from .draft.drafting import TreeBudget
 from .models.config import ModelConfig
-from .speculative import spec_advance, spec_start, verify_tree
+from .speculative import propose_tree, spec_advance, spec_start, verify_tree
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "budget"))
 def _draft(target_params, tcfg: ModelConfig, head, state, budget: TreeBudget):
-    return draft_tree(head, target_params, tcfg, state.h_root, state.root, state.dcache, budget)
+    return propose_tree(head, target_params, tcfg, state, budget)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "depth"))
@@ -71,4 +72,4 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
     step_ms = _median_ms(one_step, reps)
     return {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms,
             "other_ms": step_ms - draft_ms - verify_ms, "draft_frac": draft_ms / step_ms,
-            "verify_frac": verify_ms / step_ms, "tree_tokens": budget.total_tokens}
+            "verify_frac": verify_ms / step_ms, "tree_tokens": budget.num_nodes}

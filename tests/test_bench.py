@@ -121,29 +121,34 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     prompts = _prompt_file(tmp_path / "p.jsonl", ["w5 w6"])
     assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "5",
                        "--methods", "vanilla,eagle3", "--drafter", "random", "--total-tokens", "auto",
-                       "--auto-candidates", "4,7", "--auto-shapes", "1:2", "--profile-reps", "0",
-                       "--plots", str(tmp_path / "plots"), "--json"]) == 0
+                       "--auto-candidates", "4,7", "--auto-shapes", "1:2", "--auto-lookups", "0,2",
+                       "--profile-reps", "0", "--plots", str(tmp_path / "plots"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     rec = out["autotune"]["eagle3"]
     rows = rec["candidates"]
-    shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"])
-    # the sizes with the default tree's top-k 4 (depth 5, clamped to N - 2), then shape 1:2 at the better
-    # size, then the sizes with the better shape; no tree twice
-    assert [shape(r) for r in rows[:2]] == [(4, 2, 4), (7, 5, 4)]
-    first = max(rows[:2], key=lambda r: r["expected_tokens_per_s"])
-    assert shape(rows[2]) == (first["total_tokens"], 1, 2)
+    shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"], r["lookup"])
+    best_of = lambda rs: max(rs, key=lambda r: r["expected_tokens_per_s"])
+    # the sizes with the default tree's top-k 4 (depth 5, clamped to N - 2) and the first chain listed (0),
+    # then shape 1:2 at the better size, then chain 2 at the best tree so far (0 is that tree), then the
+    # sizes with the best shape and chain; no tree twice
+    assert [shape(r) for r in rows[:2]] == [(4, 2, 4, 0), (7, 5, 4, 0)]
+    first = best_of(rows[:2])
+    assert shape(rows[2]) == (first["total_tokens"], 1, 2, 0)
+    b3 = best_of(rows[:3])
+    assert shape(rows[3]) == shape(b3)[:3] + (2,)
     assert len({shape(r) for r in rows}) == len(rows)
     assert released == [0] * len(rows)
-    best = max(rows, key=lambda r: r["expected_tokens_per_s"])
-    assert (rec["budget"]["total_tokens"], rec["budget"]["depth"], rec["budget"]["top_k"]) == shape(best)
-    if (best["depth"], best["top_k"]) == (1, 2):
-        assert {shape(r) for r in rows[2:]} == {(4, 1, 2), (7, 1, 2)}
+    best = best_of(rows)
+    assert tuple(rec["budget"][k] for k in ("total_tokens", "depth", "top_k", "lookup")) == shape(best)
+    b4 = best_of(rows[:4])
+    for n in (4, 7):  # the last pass: every size with the best shape and chain (depth clamped to N - 2)
+        assert (n, min(b4["depth"], n - 2), b4["top_k"], b4["lookup"]) in {shape(r) for r in rows}
     for r in rows:
         assert abs(r["expected_tokens_per_s"] - 1e3 * r["tau"] / r["step_ms"]) < 1e-6
     assert f"total_tokens={best['total_tokens']}" in out["settings"]["budgets"]["eagle3"]  # the run used it
     path = default_budget_path(str(tiny_hf_dir), "eagle3", "random")
     saved = load_budget(path, "eagle3")
-    assert rec["saved_to"] == str(path) and (saved.total_tokens, saved.depth, saved.top_k) == shape(best)
+    assert rec["saved_to"] == str(path) and (saved.total_tokens, saved.depth, saved.top_k, saved.lookup) == shape(best)
     assert (tmp_path / "plots" / "budget.png").exists()
 
     r = subprocess.run([sys.executable, "-m", "eagle_jax.serve", "--model", str(tiny_hf_dir), "--prompt", "w5",
@@ -195,8 +200,22 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     assert [r["total_tokens"] for r in search_budgets([3, 5], (), narrow, measure)[1]] == [3]
     assert max(rows, key=lambda r: r["expected_tokens_per_s"])["total_tokens"] == 6
     assert search_budgets([4], (), base, measure)[0] == TreeBudget("dynamic", total_tokens=4, depth=2, top_k=4)
+    # the lookup chain: measured at the best tree, then the sizes again with the best chain
+    chain = lambda b: {"expected_tokens_per_s": measure(b)["expected_tokens_per_s"] + 4 * (b.lookup == 3)
+                       - 3 * (b.lookup == 3) * (b.total_tokens == 6)}
+    best, rows = search_budgets([5, 6, 7], parse_shapes("1:3"), base, chain, lookups=(0, 3, 6))
+    assert (best.total_tokens, best.depth, best.top_k, best.lookup) == (5, 1, 3, 3)
+    # sizes (best: 5), shape 1:3 at 5, chain 3 at (5, 1, 3) (0 is that tree; 6 does not fit 5 tokens),
+    # then the sizes with chain 3
+    assert [(r["total_tokens"], r["depth"], r["lookup"]) for r in rows] == [
+        (5, 3, 0), (6, 4, 0), (7, 5, 0), (5, 1, 0), (5, 1, 3), (6, 1, 3), (7, 1, 3)]
     with pytest.raises(ValueError, match="DEPTH:TOP_K"):
         parse_shapes("2x4")
+    from eagle_jax.autotune import parse_lookups
+
+    assert parse_lookups("0,3") == (0, 3) and parse_lookups("none") == ()
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_lookups("2,-1")
     with pytest.raises(ValueError, match=">= 1"):
         parse_shapes("0:4")
     assert parse_shapes("none") == ()
@@ -209,7 +228,14 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     good = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 12, "depth": 4, "top_k": 3}},
                        tmp_path / "b.json")
     budget, tune = resolve_budget("m", "eagle3", "default", None, budget_config=good)
-    assert (budget.total_tokens, budget.depth, budget.top_k, tune) == (12, 4, 3, None)
+    assert (budget.total_tokens, budget.depth, budget.top_k, budget.lookup, tune) == (12, 4, 3, 0, None)  # older files
+    budget, _ = resolve_budget("m", "eagle3", "default", None, budget_config=good, lookup=5)  # --lookup replaces
+    assert (budget.total_tokens, budget.lookup) == (12, 5)
+    chained = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 8, "depth": 2, "top_k": 3,
+                                                          "lookup": 4}}, tmp_path / "c.json")
+    assert load_budget(chained).lookup == 4
+    with pytest.raises(ValueError, match="lookup must leave the head"):  # the chain takes rows of the tree
+        resolve_budget("m", "eagle3", "default", None, budget_config=chained, lookup=7)
     with pytest.raises(ValueError, match="not both"):
         resolve_budget("m", "eagle3", "default", 16, budget_config=good)
     with pytest.raises(ValueError, match="static tree"):

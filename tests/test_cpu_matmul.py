@@ -65,7 +65,7 @@ def test_batched_leading_dims_and_fallback_above_max_rows():
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 9, 12, 13, 16])  # 9-12: one pass; 13-16: two
 def test_quantized_equals_f32_kernel_on_dequantized_bit_for_bit(kind, m):
     rng = np.random.default_rng(m)
     n, k = 45, 256  # 45 rows: a chunk ends inside a 4-row group

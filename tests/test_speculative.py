@@ -1,6 +1,8 @@
 """Speculative decoding on a tiny target: greedy output identical to plain greedy for every
 method and head; sampled output distributed as the target's; one compile per budget."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from test_sampling import _chi2_pvalue
 
 DYNAMIC = TreeBudget("dynamic", total_tokens=12, depth=4, top_k=3)
 STATIC = TreeBudget("static", static_tree=DEFAULT_STATIC_TREE)
+LOOKUP = TreeBudget("dynamic", total_tokens=8, depth=2, top_k=3, lookup=5)  # the chain deeper than the tree
 
 
 def _heads(cfg, params):
@@ -60,6 +63,57 @@ def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, r
         assert acc[i].sum() + 1 >= int(out.num_new[i]) > acc[i].sum() - budget.max_depth - 1
     if head_name == "oracle" and budget is STATIC:  # the rank-0 chain is the target's own greedy chain
         assert all((a[a > 0][:-1] == budget.max_depth + 1).all() for a in acc)
+
+
+@pytest.mark.parametrize("head_name,budget", [
+    ("eagle3-random", LOOKUP), ("oracle-draft-vocab", LOOKUP),
+    ("eagle1-random", TreeBudget("static", static_tree=DEFAULT_STATIC_TREE, lookup=3))])
+def test_greedy_speculative_with_a_lookup_chain_equals_plain_greedy(tiny_llama, head_name, budget, rng):
+    """Trees with a prompt-lookup chain grafted on decode plain greedy's tokens; with a random
+    head (whose drafts the target almost never takes) the chain is what gets accepted on prompts
+    that repeat themselves, so it cuts the target passes."""
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)[head_name]
+    motif = list(rng.integers(3, cfg.vocab_size, 5))
+    prompts = [motif * 4, list(rng.integers(3, cfg.vocab_size, 9)) + motif * 3, list(rng.integers(3, 40, 30))]
+    ref, lens = _run(generate_tokens, params, cfg, prompts, 40)
+    out, _ = _run(speculative_generate, params, cfg, prompts, 40, head=head, budget=budget)
+    assert _rows(out, lens) == _rows(ref, lens)
+    acc = np.asarray(out.accept_lengths)
+    assert acc.max() <= budget.max_depth + 1
+    if head_name.endswith("random"):
+        plain, _ = _run(speculative_generate, params, cfg, prompts, 40, head=head,
+                        budget=dataclasses.replace(budget, lookup=0))
+        assert _rows(plain, lens) == _rows(ref, lens)
+        assert int(out.target_calls.sum()) < int(plain.target_calls.sum())
+        assert acc.max() > plain.accept_lengths.max()
+
+
+def test_a_dynamic_tree_gives_the_chain_its_weakest_rows_only_where_one_was_found(tiny_llama):
+    """Per batch row: with a chain, the head's best N - L nodes plus the chain's new nodes; without
+    one, exactly the tree the head drafts without lookup."""
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)["eagle3-random"]
+    seqs = [[5, 6, 7, 8, 9] * 2 + [5, 6], list(range(20, 32))]  # row 0 ends in "9 5 6", seen before
+    toks, lens = pack_prompts(seqs, 64)
+    st = speculative.spec_start(params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(8),
+                                jnp.asarray([-1], jnp.int32), SamplingParams.create(2), jax.random.PRNGKey(0),
+                                budget=LOOKUP, prefill_chunk=16)
+    st = st._replace(tokens=jnp.asarray(toks), length=jnp.asarray(lens), root=jnp.asarray([6, 31]))
+    plain = dataclasses.replace(LOOKUP, lookup=0)
+    with_chain = speculative.propose_tree(head, params, cfg, st, LOOKUP)
+    without = speculative.propose_tree(head, params, cfg, st, plain)
+    n_short = LOOKUP.total_tokens - LOOKUP.lookup
+    short = speculative.propose_tree(head, params, cfg, st, dataclasses.replace(plain, total_tokens=n_short))
+    for x, y in zip(with_chain, without):  # row 1 has no chain: the plain tree
+        np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(y[1]))
+    for x, y in zip(with_chain, short):  # row 0: the head's best nodes, then the chain's new ones
+        np.testing.assert_array_equal(np.asarray(x[0, :n_short]), np.asarray(y[0]))
+    new = np.asarray(with_chain.valid_bn[0, n_short:])
+    chain = [7, 8, 9, 5, 6]  # what followed the earlier "9 5 6"
+    k = int(new.sum())
+    assert k and new.tolist() == [False] * (5 - k) + [True] * k  # after the part the tree already had
+    assert np.asarray(with_chain.tokens_bn[0, n_short:])[new].tolist() == chain[5 - k:]
 
 
 @pytest.mark.parametrize("head_name", ["oracle", "eagle3-random"])
@@ -126,18 +180,24 @@ def _exact_three_tokens(params, cfg, prompt, sp1):
     return joint
 
 
-@pytest.mark.parametrize("head_name", ["oracle", "eagle3-random"])
-def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, monkeypatch):
+@pytest.mark.parametrize("head_name,budget", [("oracle", DYNAMIC), ("eagle3-random", DYNAMIC),
+                                               ("eagle3-random", LOOKUP)])
+def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, budget, monkeypatch):
     _, cfg, params = tiny_llama
     head = _heads(cfg, params)[head_name]
-    prompt, n = [3, 14, 15, 92, 65], 6000
+    # With a chain, a prompt that repeats itself: the first step's chain copies "15 92 65".
+    prompt, n = ([3, 14, 15, 92, 65] if not budget.lookup else [14, 15, 92, 65, 3, 14]), 6000
     sp = SamplingParams.create(n, 0.9, 1.0, 4)
     joint = _exact_three_tokens(params, cfg, prompt, SamplingParams.create(1, 0.9, 1.0, 4))
     out, _ = _run(speculative_generate, params, cfg, [prompt] * n, 3, sp=sp, seed=11, cache_len=16, head=head,
-                  budget=DYNAMIC)
-    draws = [tuple(r) for r in np.asarray(out.tokens[:, 5:8])]
+                  budget=budget)
+    p = len(prompt)
+    draws = [tuple(r) for r in np.asarray(out.tokens[:, p:p + 3])]
+    first = np.asarray(out.accept_lengths)[:, 0]
     if head_name == "oracle":  # drafts really were accepted (the test exercises acceptance)
-        assert np.asarray(out.accept_lengths)[:, 0].mean() > 1.5
+        assert first.mean() > 1.5
+    elif budget.lookup:  # the random head's drafts are not taken; the chain's are, where the root matched
+        assert (first > 1).mean() > 0.02
     assert _chi2_pvalue(draws, joint) > 1e-3
 
     # Power: a sampler that accepts from a sharpened p (not the target's) is caught.
@@ -146,9 +206,9 @@ def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, mon
                         lambda key, tok, par, val, logits, sp, d: real(key, tok, par, val, logits * 1.5, sp, d))
     speculative_generate.clear_cache()
     biased, _ = _run(speculative_generate, params, cfg, [prompt] * n, 3, sp=sp, seed=11, cache_len=16, head=head,
-                     budget=DYNAMIC)
+                     budget=budget)
     speculative_generate.clear_cache()
-    assert _chi2_pvalue([tuple(r) for r in np.asarray(biased.tokens[:, 5:8])], joint) < 1e-6
+    assert _chi2_pvalue([tuple(r) for r in np.asarray(biased.tokens[:, p:p + 3])], joint) < 1e-6
 
 
 def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):

@@ -41,6 +41,13 @@ class TreeBudget:
     so `depth` is clipped to N - 2 expansions: the same tree, without drafting levels that could
     never be kept (a 4-token tree drafts 2 levels, not 5).
     static (EAGLE-1): the fixed tree `static_tree`; total_tokens = its node count.
+    lookup: a chain of up to `lookup` tokens copied from the context by n-gram lookup (n-grams of
+    `lookup_ngram` tokens down to 1, the longest that occurred before first) is grafted onto the
+    head's tree (`tree.lookup`); paths reach `lookup` deep. A dynamic tree keeps its
+    `total_tokens` rows: in a batch row where a chain was found, the head's best
+    `total_tokens - lookup` nodes and the chain's new nodes, elsewhere the head's best
+    `total_tokens` as without a chain. A static tree gets `lookup` more rows for it. 0: the
+    head's tree alone.
     """
 
     kind: str = "dynamic"
@@ -48,8 +55,12 @@ class TreeBudget:
     depth: int = 5
     top_k: int = 4
     static_tree: Optional[StaticTree] = None
+    lookup: int = 0
+    lookup_ngram: int = 3
 
     def __post_init__(self):
+        if self.lookup < 0 or self.lookup_ngram < 1:
+            raise ValueError(f"lookup must be >= 0 and lookup_ngram >= 1, got {self.lookup}, {self.lookup_ngram}")
         if self.kind not in ("dynamic", "static"):
             raise ValueError(f"tree kind must be 'dynamic' or 'static', got {self.kind!r}")
         if self.kind == "static":
@@ -66,11 +77,24 @@ class TreeBudget:
                 raise ValueError(f"total_tokens must be in [2, {most}] for top_k={self.top_k}, depth={self.depth}; "
                                  f"got {self.total_tokens}")
             object.__setattr__(self, "depth", min(self.depth, max(1, self.total_tokens - 2)))
+            if self.lookup > self.total_tokens - 2:
+                raise ValueError(f"lookup must leave the head at least the root and one node: lookup <= "
+                                 f"total_tokens - 2 = {self.total_tokens - 2}, got {self.lookup}")
+
+    @property
+    def draft_depth(self) -> int:
+        """Deepest node of the head's own tree below the root."""
+        return self.depth if self.kind == "static" else self.depth + 1
 
     @property
     def max_depth(self) -> int:
         """Deepest node below the root: the most draft tokens one step can accept."""
-        return self.depth if self.kind == "static" else self.depth + 1
+        return max(self.draft_depth, self.lookup)
+
+    @property
+    def num_nodes(self) -> int:
+        """Verification rows of a step (a static tree's chain comes on top of it)."""
+        return self.total_tokens + (self.lookup if self.kind == "static" else 0)
 
     @property
     def scratch(self) -> int:
@@ -99,6 +123,13 @@ def draft_dynamic(head: DraftHead, target_params, target_cfg, h_root_bd, root_b,
                   budget: TreeBudget) -> Tree:
     """EAGLE-2: expand the top_k frontier by path value (sum of log-probs) for `depth` steps, then keep
     the best total_tokens - 1 candidates (plus the root)."""
+    cands = draft_candidates(head, target_params, target_cfg, h_root_bd, cache, budget)
+    return Tree(*rerank(*cands, root_b, budget.total_tokens))
+
+
+def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cache: KVCache, budget: TreeBudget):
+    """EAGLE-2's expansion: (tokens, cumulative log-prob scores, parent candidate) [B, C] of every
+    candidate in generation order, for `tree.rerank`."""
     k, depth = budget.top_k, budget.depth
     b = h_root_bd.shape[0]
     embed = target_params["embed_tokens"]["embedding"]
@@ -133,7 +164,7 @@ def draft_dynamic(head: DraftHead, target_params, target_cfg, h_root_bd, root_b,
     cand_tok = jnp.concatenate([tok0, flat(toks)], axis=1)
     cand_score = jnp.concatenate([p0, flat(scores)], axis=1)
     cand_parent = jnp.concatenate([jnp.full((b, k), -1, jnp.int32), flat(parents).astype(jnp.int32)], axis=1)
-    return Tree(*rerank(cand_tok, cand_score, cand_parent, root_b, budget.total_tokens))
+    return cand_tok, cand_score, cand_parent
 
 
 def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,

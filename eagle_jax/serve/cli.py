@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a tree budget saved by `python -m eagle_jax.bench --total-tokens auto` (JSON)")
     p.add_argument("--depth", type=int, default=None, help="dynamic tree: expansion steps")
     p.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree: children per node and frontier width")
+    p.add_argument("--lookup", type=int, default=None,
+                   help="graft a chain of up to N tokens copied from the context by n-gram lookup onto every draft "
+                        "tree, in place of its N weakest nodes where a chain is found (more tokens a step where the "
+                        "text repeats itself; lossless like the rest of the tree). 0: none; default: what the "
+                        "tuned, packaged or default budget says")
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="target attention: the jnp reference or the Pallas tree-attention kernel (Mosaic on TPU, "
                         "Triton on GPU, Pallas' interpreter elsewhere)")
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
     try:
         method = pick_method(args.model, args.method, args.drafter)
         budget, tune_path = resolve_budget(args.model, method, args.drafter, args.total_tokens, args.depth,
-                                           args.tree_top_k, args.budget_config, log=say)
+                                           args.tree_top_k, args.budget_config, log=say, lookup=args.lookup)
     except ValueError as e:
         return _fail(str(e))
     if serving:
@@ -167,7 +172,10 @@ def main(argv=None) -> int:
     if tune_path is not None:
         from ..autotune import tune_and_save
 
-        tune_and_save(engine, method, tune_path, log=say, drafter=args.drafter)
+        from ..autotune import DEFAULT_LOOKUPS
+
+        tune_and_save(engine, method, tune_path, log=say, drafter=args.drafter,
+                      lookups=DEFAULT_LOOKUPS if args.lookup is None else ())
     if args.chat:
         from .chat import run_chat
 
@@ -200,6 +208,7 @@ def _serve(args, method: str, budget, tune_path=None) -> int:
             raise ValueError("--max-active, --max-waiting, --steps-per-turn and --default-max-tokens must be "
                              "at least 1")
         opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, tune_path=tune_path,
+                            tune_lookups=None if args.lookup is None else (),
                             dtype=args.dtype, layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows,
                             attention=args.attention, max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
                             cache_buckets=buckets,

@@ -48,6 +48,7 @@ class ServeOptions:
     drafter: str = "default"
     budget: Optional[object] = None  # a TreeBudget; None = the method's default
     tune_path: Optional[Path] = None  # autotune the tree budget at start-up and save it here
+    tune_lookups: Optional[tuple] = None  # the lookup chains that tuning tries (None: autotune's default)
     dtype: str = "float32"
     attention: str = "reference"
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
@@ -118,7 +119,10 @@ class ServerState:
                 if o.tune_path is not None and self.engine.method in ("eagle2", "eagle3"):
                     from ..autotune import tune_and_save
 
-                    tune_and_save(self.engine, self.engine.method, o.tune_path, log=self._say, drafter=o.drafter)
+                    from ..autotune import DEFAULT_LOOKUPS
+
+                    tune_and_save(self.engine, self.engine.method, o.tune_path, log=self._say, drafter=o.drafter,
+                                  lookups=DEFAULT_LOOKUPS if o.tune_lookups is None else o.tune_lookups)
             self.engine.max_cache_len = self.buckets[-1]
             self.method = self.engine.method
             if o.warmup:
@@ -320,7 +324,8 @@ def create_app(state: ServerState) -> Starlette:
         info = {"method": state.method, "context_length": state.buckets[-1], "cache_buckets": list(state.buckets)}
         if state.engine is not None and state.method in state.engine.budgets:
             b = state.engine.budgets[state.method]
-            info["tree_budget"] = {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k}
+            info["tree_budget"] = {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k,
+                                   "lookup": b.lookup}
         return {"id": state.model_name, "object": "model", "created": int(state.t_ready or time.time()),
                 "owned_by": "eagle_jax", "eagle_jax": info}
 
