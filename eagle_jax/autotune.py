@@ -13,8 +13,9 @@ steps and `top_k` children per expanded node. For each one measured:
 The search is coordinate-wise (`search_budgets`): every candidate size with the starting depth and
 top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every length of the
 prompt-lookup chain (`lookups`, `TreeBudget.lookup`) at the best tree; then every size again with
-the best shape and chain. Where a step costs much more per verified token than per expansion (a CPU) small,
-shallow, narrow trees win; where verification is nearly free (an accelerator) deep, wide ones do.
+the best shape and chain. Where a step costs much more per verified token than per expansion (a
+CPU) small, shallow, narrow trees win; where verification is nearly free (an accelerator) deep,
+wide ones do.
 Trees that are the same after `TreeBudget`'s clamping are measured once. The candidate with the
 highest expected tokens/s wins. Plain decoding is timed on the same prompts, so every candidate
 also gets a measured speedup (same run, same prompts). The result is a small JSON config
@@ -111,7 +112,7 @@ def parse_lookups(spec: str) -> tuple:
 def _valid(n: int, depth: int, top_k: int, lookup: int = 0) -> Optional[TreeBudget]:
     try:
         return TreeBudget("dynamic", total_tokens=n, depth=depth, top_k=top_k, lookup=lookup)
-    except ValueError:  # more nodes than this depth and top-k can offer
+    except ValueError:  # more nodes than this depth and top-k can offer, or a chain that leaves no head node
         return None
 
 

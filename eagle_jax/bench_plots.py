@@ -96,17 +96,16 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
             for r in rec["candidates"]:
                 shapes.setdefault((r.get("depth"), r.get("top_k"), r.get("lookup", 0)), []).append(r)
             b = rec["budget"]
-            rows_of = lambda r: r["total_tokens"] + r.get("lookup", 0)  # verified per step: head's tree + chain
-            for (depth, top_k, lookup), rows in shapes.items():
-                rows = sorted(rows, key=rows_of)
-                xs = [rows_of(r) for r in rows]
+            for (depth, top_k, lookup), rows in shapes.items():  # a chain takes rows of the tree: same x
+                rows = sorted(rows, key=lambda r: r["total_tokens"])
+                xs = [r["total_tokens"] for r in rows]
                 tag = (f"{m} d{depth} k{top_k}" if depth is not None else m) + (f" L{lookup}" if lookup else "")
                 line, = ax.plot(xs, [r["measured_speedup"] for r in rows], "o-", label=f"{tag} measured")
                 ax.plot(xs, [r["expected_tokens_per_s"] / rec["vanilla_tokens_per_s"] for r in rows], "x--",
                         color=line.get_color(), label=f"{tag} expected (tau ÷ step time)" if len(shapes) < 4 else None)
-            ax.axvline(rows_of(b), color="gray", lw=0.8, ls=":")
+            ax.axvline(b["total_tokens"], color="gray", lw=0.8, ls=":")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_xlabel("tokens verified per step (tree + lookup chain)")
+        ax.set_xlabel("tree tokens verified per step")
         ax.set_ylabel("tokens/s ÷ vanilla")
         ax.legend(fontsize=6, ncol=2)
         ax.set_title("Speedup against tree budget (autotune; x: expected)\n" + _title(result), fontsize=9)

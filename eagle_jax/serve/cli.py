@@ -170,9 +170,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         return _fail(str(e))
     if tune_path is not None:
-        from ..autotune import tune_and_save
-
-        from ..autotune import DEFAULT_LOOKUPS
+        from ..autotune import DEFAULT_LOOKUPS, tune_and_save
 
         tune_and_save(engine, method, tune_path, log=say, drafter=args.drafter,
                       lookups=DEFAULT_LOOKUPS if args.lookup is None else ())

@@ -18,5 +18,6 @@ __all__ = [
     "Accepted", "DEFAULT_STATIC_TREE", "Level", "LevelExpansion", "StaticTree", "TreeBuffers",
     "accept_from_logits", "ancestor_mask", "effective_parents", "emitted_tokens", "expand_level",
     "graft_chain", "greedy_accept", "is_leaf", "level_offset", "lookup_chain", "node_depths", "num_candidates",
-    "path_to", "path_tokens", "rerank", "retrieve_indices", "sample_accept", "select_frontier", "tree_buffers", "tree_positions",
+    "path_to", "path_tokens", "rerank", "retrieve_indices", "sample_accept", "select_frontier", "tree_buffers",
+    "tree_positions",
 ]
