@@ -4,18 +4,20 @@ device and this drafter by measurement, as the reference's `total_token=-1` does
 A candidate is a dynamic tree: N nodes verified per step (root included), `depth` expansion
 steps and `top_k` children per expanded node. For each one measured:
 
-- acceptance: greedy generation over a few calibration prompts gives tau = new tokens per target
-  pass (the drafter's measured acceptance with that tree);
+- acceptance: greedy generation of 128 tokens over the calibration prompts (3 chat and 2 code
+  prompts of the training data, `eagle_jax/data/calibration_prompts.jsonl`: never the held-out
+  prompts the benchmark reports) gives tau = new tokens per target pass (the drafter's measured
+  acceptance with that tree);
 - cost: `step_profile.profile_spec_step` times one step with it on this device (drafting,
   verification of N tokens, and the rest);
 - expected tokens/s = tau / step time.
 
 The search is coordinate-wise (`search_budgets`): every candidate size with the starting depth and
 top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every length of the
-prompt-lookup chain (`lookups`, `TreeBudget.lookup`) at the best tree; then every size again with
-the best shape and chain. Where a step costs much more per verified token than per expansion (a
-CPU) small, shallow, narrow trees win; where verification is nearly free (an accelerator) deep,
-wide ones do.
+prompt-lookup chain (`lookups`, `TreeBudget.lookup`) at the best tree (grown by the chain's length
+where the chain would not fit it); then every size again with the best shape and chain. Where a
+step costs much more per verified token than per expansion (a CPU) small, shallow, narrow trees
+win; where verification is nearly free (an accelerator) deep, wide ones do.
 Trees that are the same after `TreeBudget`'s clamping are measured once. The candidate with the
 highest expected tokens/s wins. Plain decoding is timed on the same prompts, so every candidate
 also gets a measured speedup (same run, same prompts). The result is a small JSON config
@@ -124,8 +126,9 @@ def budget_fields(b: TreeBudget) -> dict:
 def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudget], dict],
                    lookups=()) -> tuple[TreeBudget, list]:
     """Coordinate search over dynamic trees: every size with base's (depth, top_k, lookup), then
-    every shape of `shapes` at the best size, then every chain length of `lookups` at the best tree,
-    then every size with the best shape and chain. `measure(budget)` returns a row with
+    every shape of `shapes` at the best size, then every chain length of `lookups` at the best tree
+    (N tokens; a chain of L > N - 2 tokens, which would leave the head no node, at N + L), then
+    every size with the best shape and chain. `measure(budget)` returns a row with
     "expected_tokens_per_s"; each distinct tree (after TreeBudget's clamping) is measured once.
     Returns (the best budget, the rows in measurement order)."""
     rows, seen = [], set()
@@ -147,8 +150,9 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
         for depth, top_k in shapes:
             run(b["total_tokens"], depth, top_k, b["lookup"])
         b = best()
-        for lookup in lookups:
-            run(b["total_tokens"], b["depth"], b["top_k"], lookup)
+        for lookup in lookups:  # a chain too long for the best tree gets rows of its own on top of it
+            n = b["total_tokens"]
+            run(n if lookup <= n - 2 else n + lookup, b["depth"], b["top_k"], lookup)
         b = best()
         for n in sizes:
             run(n, b["depth"], b["top_k"], b["lookup"])
@@ -157,7 +161,7 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
 
 
 def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates=DEFAULT_CANDIDATES,
-                    shapes=DEFAULT_SHAPES, lookups=DEFAULT_LOOKUPS, max_new_tokens: int = 64, reps: int = 20,
+                    shapes=DEFAULT_SHAPES, lookups=DEFAULT_LOOKUPS, max_new_tokens: int = 128, reps: int = 20,
                     log: Optional[Callable[[str], None]] = None) -> dict:
     """Measure candidate trees (`search_budgets`: sizes `candidates`, shapes (depth, top_k) `shapes`,
     prompt-lookup chains `lookups`, the first of them while sizes and shapes are searched; empty: not
@@ -225,25 +229,31 @@ def load_budget(path: Path, method: Optional[str] = None) -> TreeBudget:
         raise ValueError(f"cannot read a tree budget from {path}: {type(e).__name__}: {e}") from e
 
 
-def calibration_prompts(engine, n: int = 3) -> list[list[int]]:
-    """The first `n` packaged example chat prompts (not a benchmark set), tokenised."""
-    from .serve.cli import read_prompts
-    from .training.prompts import BENCH_CHAT_FILE
+def calibration_prompts(engine) -> list[list[int]]:
+    """The packaged calibration prompts (training prompts, chat and code; none held out), tokenised."""
+    from .training.prompts import CALIBRATION_FILE, load_prompt_file
 
-    return [engine.encode(p) for _, p in read_prompts(BENCH_CHAT_FILE)[:n]]
+    return [engine.encode(p["prompt"]) for p in load_prompt_file(CALIBRATION_FILE)]
 
 
 def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str], None]] = None,
                   drafter: str = "", candidates=DEFAULT_CANDIDATES, shapes=DEFAULT_SHAPES,
-                  lookups=DEFAULT_LOOKUPS) -> dict:
-    """Autotune `method` on the calibration prompts, set it on the engine and save it to `path`."""
+                  lookups=None, max_new_tokens: int = 128) -> dict:
+    """Autotune `method` on the calibration prompts (`max_new_tokens` each), set it on the engine and
+    save it to `path` (lookups: the chain lengths to try; None: `DEFAULT_LOOKUPS`, () keeps the
+    engine's chain)."""
+    lookups = DEFAULT_LOOKUPS if lookups is None else lookups
     rec = autotune_budget(engine, method, calibration_prompts(engine), candidates=candidates, shapes=shapes,
-                          lookups=lookups, log=log)
+                          lookups=lookups, max_new_tokens=max_new_tokens, log=log)
     rec["drafter"] = drafter
     rec["saved_to"] = str(save_budget(rec, path))
     if log:
         log(f"saved the tuned {method} budget to {path}")
     return rec
+
+
+def describe_budget(budget: TreeBudget) -> str:
+    return f"{budget.total_tokens} tokens, depth {budget.depth}, top-k {budget.top_k}, lookup {budget.lookup}"
 
 
 def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=None, top_k=None,
@@ -274,8 +284,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
             raise ValueError("give either --budget-config or --total-tokens, not both")
         budget = load_budget(budget_config, method)
         if log:
-            log(f"tree budget from {budget_config}: {budget.total_tokens} tokens, depth {budget.depth}, "
-                f"top-k {budget.top_k}, lookup {budget.lookup}")
+            log(f"tree budget from {budget_config}: {describe_budget(budget)}")
         return budget, None
     if total_tokens == "auto":
         if method == "eagle1":
@@ -284,8 +293,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
         if path.exists():
             budget = load_budget(path, method)
             if log:
-                log(f"tuned tree budget from {path}: {budget.total_tokens} tokens, depth {budget.depth}, "
-                    f"top-k {budget.top_k}, lookup {budget.lookup}")
+                log(f"tuned tree budget from {path}: {describe_budget(budget)}")
             return budget, None
         if log:
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (a few minutes)")
@@ -295,8 +303,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
             if path.exists():  # tuned before on this device, else shipped for this platform: the default
                 budget = load_budget(path, method)
                 if log:
-                    log(f"tuned tree budget from {path}: {budget.total_tokens} tokens, depth {budget.depth}, "
-                        f"top-k {budget.top_k}, lookup {budget.lookup} (--total-tokens N overrides)")
+                    log(f"tuned tree budget from {path}: {describe_budget(budget)} (--total-tokens N overrides)")
                 return budget, None
     n = None if total_tokens is None else int(total_tokens)
     return default_budget(method, n, depth, top_k), None

@@ -383,7 +383,8 @@ def main(argv=None) -> int:
 
 
 def autotune_methods(engine, methods, args, candidates, shapes, lookups, log) -> dict:
-    """--total-tokens auto: tune eagle2/eagle3 on the CLI's example prompts (not a benchmark set)."""
+    """--total-tokens auto: tune eagle2/eagle3 on the calibration prompts (training prompts, never a
+    benchmark set), generating as many tokens as the benchmark does."""
     from .autotune import default_budget_path, tune_and_save
 
     out = {}
@@ -392,7 +393,7 @@ def autotune_methods(engine, methods, args, candidates, shapes, lookups, log) ->
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
                     else default_budget_path(args.model, m, args.drafter))
             out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,
-                                   shapes=shapes, lookups=lookups)
+                                   shapes=shapes, lookups=lookups, max_new_tokens=args.max_new_tokens)
     return out
 
 

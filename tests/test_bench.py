@@ -126,6 +126,10 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     rec = out["autotune"]["eagle3"]
     rows = rec["candidates"]
+    from eagle_jax.training.prompts import CALIBRATION_FILE, load_prompt_file
+
+    # tuned on the calibration prompts (training prompts: never the benchmark's), at the benchmark's length
+    assert rec["prompts"] == len(load_prompt_file(CALIBRATION_FILE)) and rec["max_new_tokens"] == 5
     shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"], r["lookup"])
     best_of = lambda rs: max(rs, key=lambda r: r["expected_tokens_per_s"])
     # the sizes with the default tree's top-k 4 (depth 5, clamped to N - 2) and the first chain listed (0),
@@ -205,10 +209,10 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
                        - 3 * (b.lookup == 3) * (b.total_tokens == 6)}
     best, rows = search_budgets([5, 6, 7], parse_shapes("1:3"), base, chain, lookups=(0, 3, 6))
     assert (best.total_tokens, best.depth, best.top_k, best.lookup) == (5, 1, 3, 3)
-    # sizes (best: 5), shape 1:3 at 5, chain 3 at (5, 1, 3) (0 is that tree; 6 does not fit 5 tokens),
-    # then the sizes with chain 3
+    # sizes (best: 5), shape 1:3 at 5, chain 3 at (5, 1, 3) (0 is that tree), chain 6 on 5 + 6 tokens
+    # (it would leave 5 tokens' head no node), then the sizes with chain 3
     assert [(r["total_tokens"], r["depth"], r["lookup"]) for r in rows] == [
-        (5, 3, 0), (6, 4, 0), (7, 5, 0), (5, 1, 0), (5, 1, 3), (6, 1, 3), (7, 1, 3)]
+        (5, 3, 0), (6, 4, 0), (7, 5, 0), (5, 1, 0), (5, 1, 3), (11, 1, 6), (6, 1, 3), (7, 1, 3)]
     with pytest.raises(ValueError, match="DEPTH:TOP_K"):
         parse_shapes("2x4")
     from eagle_jax.autotune import parse_lookups

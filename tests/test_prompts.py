@@ -23,6 +23,16 @@ def test_held_out_files_consistent():
     assert sorted(int(p["id"].split("-")[1]) for p in code) == sorted(split)
 
 
+def test_calibration_prompts_are_training_prompts():
+    """Autotuning picks the packaged tree on these: chat and code, none held out or near a held-out one."""
+    cal = P.load_prompt_file(P.CALIBRATION_FILE)
+    code = [p for p in cal if p["id"].startswith("humaneval-")]
+    assert code and len(code) < len(cal)
+    assert not {int(p["id"].split("-")[1]) for p in code} & P.humaneval_split()  # the training split
+    assert all(p["prompt"].startswith(P.humaneval_user_prompt("")[:40]) for p in code)
+    assert P.drop_near_duplicates(cal, P.eval_prompts()) == cal
+
+
 def test_humaneval_split_from_package():
     try:
         ev, tr = P.humaneval_prompts("eval"), P.humaneval_prompts("train")

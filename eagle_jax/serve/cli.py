@@ -170,10 +170,10 @@ def main(argv=None) -> int:
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         return _fail(str(e))
     if tune_path is not None:
-        from ..autotune import DEFAULT_LOOKUPS, tune_and_save
+        from ..autotune import tune_and_save
 
         tune_and_save(engine, method, tune_path, log=say, drafter=args.drafter,
-                      lookups=DEFAULT_LOOKUPS if args.lookup is None else ())
+                      lookups=None if args.lookup is None else ())
     if args.chat:
         from .chat import run_chat
 

