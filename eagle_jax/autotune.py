@@ -15,9 +15,10 @@ steps and `top_k` children per expanded node. For each one measured:
 The search is coordinate-wise (`search_budgets`): every candidate size with the starting depth and
 top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every length of the
 prompt-lookup chain (`lookups`, `TreeBudget.lookup`) at the best tree (grown by the chain's length
-where the chain would not fit it); then every size again with the best shape and chain. Where a
-step costs much more per verified token than per expansion (a CPU) small, shallow, narrow trees
-win; where verification is nearly free (an accelerator) deep, wide ones do.
+where the chain would not fit it), and every shortest n-gram it may be found by (`lookup_ngrams`,
+`TreeBudget.lookup_min_ngram`) if the best tree has a chain; then every size again with the best
+shape and chain. Where a step costs much more per verified token than per expansion (a CPU) small,
+shallow, narrow trees win; where verification is nearly free (an accelerator) deep, wide ones do.
 Trees that are the same after `TreeBudget`'s clamping are measured once. The candidate with the
 highest expected tokens/s wins. Plain decoding is timed on the same prompts, so every candidate
 also gets a measured speedup (same run, same prompts). The result is a small JSON config
@@ -45,6 +46,7 @@ from .step_profile import profile_spec_step
 DEFAULT_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48)
 DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
 DEFAULT_LOOKUPS = (0, 2, 3, 4, 6)  # prompt-lookup chain lengths
+DEFAULT_LOOKUP_NGRAMS = (1, 2, 3)  # the shortest n-gram a chain may be found by
 
 
 def budget_dir() -> Path:
@@ -111,30 +113,33 @@ def parse_lookups(spec: str) -> tuple:
     return out
 
 
-def _valid(n: int, depth: int, top_k: int, lookup: int = 0) -> Optional[TreeBudget]:
+def _valid(n: int, depth: int, top_k: int, lookup: int = 0, min_ngram: int = 1) -> Optional[TreeBudget]:
     try:
-        return TreeBudget("dynamic", total_tokens=n, depth=depth, top_k=top_k, lookup=lookup)
+        return TreeBudget("dynamic", total_tokens=n, depth=depth, top_k=top_k, lookup=lookup,
+                          lookup_min_ngram=min_ngram if lookup else 1)
     except ValueError:  # more nodes than this depth and top-k can offer, or a chain that leaves no head node
         return None
 
 
 def budget_fields(b: TreeBudget) -> dict:
     """The JSON fields of a dynamic budget (what `load_budget` reads back)."""
-    return {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k, "lookup": b.lookup}
+    return {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k, "lookup": b.lookup,
+            "lookup_min_ngram": b.lookup_min_ngram}
 
 
 def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudget], dict],
-                   lookups=()) -> tuple[TreeBudget, list]:
+                   lookups=(), lookup_ngrams=()) -> tuple[TreeBudget, list]:
     """Coordinate search over dynamic trees: every size with base's (depth, top_k, lookup), then
     every shape of `shapes` at the best size, then every chain length of `lookups` at the best tree
-    (N tokens; a chain of L > N - 2 tokens, which would leave the head no node, at N + L), then
-    every size with the best shape and chain. `measure(budget)` returns a row with
+    (N tokens; a chain of L > N - 2 tokens, which would leave the head no node, at N + L), then, if
+    the best tree has a chain, every shortest n-gram of `lookup_ngrams` for it, then every size
+    with the best shape and chain. `measure(budget)` returns a row with
     "expected_tokens_per_s"; each distinct tree (after TreeBudget's clamping) is measured once.
     Returns (the best budget, the rows in measurement order)."""
     rows, seen = [], set()
 
-    def run(n, depth, top_k, lookup):
-        budget = _valid(n, depth, top_k, lookup)
+    def run(n, depth, top_k, lookup, min_ngram):
+        budget = _valid(n, depth, top_k, lookup, min_ngram)
         if budget is None or budget in seen:
             return
         seen.add(budget)
@@ -142,30 +147,35 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
 
     best = lambda: max(rows, key=lambda r: r["expected_tokens_per_s"])
     for n in sizes:
-        run(n, base.depth, base.top_k, base.lookup)
+        run(n, base.depth, base.top_k, base.lookup, base.lookup_min_ngram)
     if not rows:
         raise ValueError(f"no candidate tree size fits depth {base.depth}, top-k {base.top_k}")
-    if shapes or lookups:
+    chain = lambda r: (r["lookup"], r["lookup_min_ngram"])
+    if shapes or lookups or lookup_ngrams:
         b = best()
         for depth, top_k in shapes:
-            run(b["total_tokens"], depth, top_k, b["lookup"])
+            run(b["total_tokens"], depth, top_k, *chain(b))
         b = best()
         for lookup in lookups:  # a chain too long for the best tree gets rows of its own on top of it
             n = b["total_tokens"]
-            run(n if lookup <= n - 2 else n + lookup, b["depth"], b["top_k"], lookup)
+            run(n if lookup <= n - 2 else n + lookup, b["depth"], b["top_k"], lookup, b["lookup_min_ngram"])
+        b = best()
+        for min_ngram in lookup_ngrams if b["lookup"] else ():
+            run(b["total_tokens"], b["depth"], b["top_k"], b["lookup"], min_ngram)
         b = best()
         for n in sizes:
-            run(n, b["depth"], b["top_k"], b["lookup"])
+            run(n, b["depth"], b["top_k"], *chain(b))
     b = best()
-    return _valid(b["total_tokens"], b["depth"], b["top_k"], b["lookup"]), rows
+    return _valid(b["total_tokens"], b["depth"], b["top_k"], *chain(b)), rows
 
 
 def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates=DEFAULT_CANDIDATES,
-                    shapes=DEFAULT_SHAPES, lookups=DEFAULT_LOOKUPS, max_new_tokens: int = 128, reps: int = 20,
-                    log: Optional[Callable[[str], None]] = None) -> dict:
+                    shapes=DEFAULT_SHAPES, lookups=DEFAULT_LOOKUPS, lookup_ngrams=DEFAULT_LOOKUP_NGRAMS,
+                    max_new_tokens: int = 128, reps: int = 20, log: Optional[Callable[[str], None]] = None) -> dict:
     """Measure candidate trees (`search_budgets`: sizes `candidates`, shapes (depth, top_k) `shapes`,
-    prompt-lookup chains `lookups`, the first of them while sizes and shapes are searched; empty: not
-    searched, the engine's budget's); set the winner as `engine.budgets[method]`; return the record."""
+    prompt-lookup chains `lookups`, the first of them while sizes and shapes are searched, and the
+    chain's shortest n-grams `lookup_ngrams`; empty: not searched, the engine's budget's); set the
+    winner as `engine.budgets[method]`; return the record."""
     if method not in ("eagle2", "eagle3"):
         raise ValueError(f"autotuning sizes a dynamic tree (eagle2, eagle3); {method} has a static tree")
     base = engine.budgets[method]
@@ -192,16 +202,16 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
                "verify_ms": prof["verify_ms"], "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
                "measured_tokens_per_s": tps, "measured_speedup": tps / vanilla_tps}
         say(f"autotune {method}: N={budget.total_tokens} depth {budget.depth} top-k {budget.top_k} "
-            f"lookup {budget.lookup}: tau {tau:.2f}, "
+            f"lookup {budget.lookup} (n-grams >= {budget.lookup_min_ngram}): tau {tau:.2f}, "
             f"step {prof['step_ms']:.1f} ms (verify {prof['verify_ms']:.1f}), expected "
             f"{row['expected_tokens_per_s']:.1f} tok/s, measured {tps:.1f}")
         return row
 
     sizes = sorted({int(n) for n in candidates})
-    chosen, rows = search_budgets(sizes, tuple(shapes or ()), base, measure, tuple(lookups or ()))
+    chosen, rows = search_budgets(sizes, tuple(shapes or ()), base, measure, tuple(lookups or ()),
+                                  tuple(lookup_ngrams or ()))
     engine.budgets[method] = chosen
-    say(f"autotune {method}: chose {chosen.total_tokens} tree tokens (depth {chosen.depth}, top-k {chosen.top_k}, "
-        f"lookup {chosen.lookup})")
+    say(f"autotune {method}: chose {describe_budget(chosen)}")
     return {"method": method, "model": engine.name, "device": device_tag(), "budget": budget_fields(chosen),
             "vanilla_tokens_per_s": vanilla_tps, "candidates": rows, "max_new_tokens": max_new_tokens,
             "prompts": len(prompts), "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
@@ -224,8 +234,9 @@ def load_budget(path: Path, method: Optional[str] = None) -> TreeBudget:
         if method is not None and rec.get("method", method) != method:
             raise ValueError(f"{path} was tuned for {rec['method']}, not {method}")
         return TreeBudget(b.get("kind", "dynamic"), total_tokens=int(b["total_tokens"]), depth=int(b["depth"]),
-                          top_k=int(b["top_k"]), lookup=int(b.get("lookup", 0)))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+                          top_k=int(b["top_k"]), lookup=int(b.get("lookup", 0)),
+                          lookup_min_ngram=int(b.get("lookup_min_ngram", 1)))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"cannot read a tree budget from {path}: {type(e).__name__}: {e}") from e
 
 
@@ -238,13 +249,14 @@ def calibration_prompts(engine) -> list[list[int]]:
 
 def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str], None]] = None,
                   drafter: str = "", candidates=DEFAULT_CANDIDATES, shapes=DEFAULT_SHAPES,
-                  lookups=None, max_new_tokens: int = 128) -> dict:
+                  lookups=None, lookup_ngrams=None, max_new_tokens: int = 128) -> dict:
     """Autotune `method` on the calibration prompts (`max_new_tokens` each), set it on the engine and
-    save it to `path` (lookups: the chain lengths to try; None: `DEFAULT_LOOKUPS`, () keeps the
-    engine's chain)."""
+    save it to `path` (lookups, lookup_ngrams: the chain lengths and shortest n-grams to try; None:
+    `DEFAULT_LOOKUPS`, `DEFAULT_LOOKUP_NGRAMS`; () keeps the engine's)."""
     lookups = DEFAULT_LOOKUPS if lookups is None else lookups
+    lookup_ngrams = DEFAULT_LOOKUP_NGRAMS if lookup_ngrams is None else lookup_ngrams
     rec = autotune_budget(engine, method, calibration_prompts(engine), candidates=candidates, shapes=shapes,
-                          lookups=lookups, max_new_tokens=max_new_tokens, log=log)
+                          lookups=lookups, lookup_ngrams=lookup_ngrams, max_new_tokens=max_new_tokens, log=log)
     rec["drafter"] = drafter
     rec["saved_to"] = str(save_budget(rec, path))
     if log:
@@ -253,14 +265,17 @@ def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str],
 
 
 def describe_budget(budget: TreeBudget) -> str:
-    return f"{budget.total_tokens} tokens, depth {budget.depth}, top-k {budget.top_k}, lookup {budget.lookup}"
+    chain = f" (n-grams >= {budget.lookup_min_ngram})" if budget.lookup and budget.lookup_min_ngram > 1 else ""
+    return f"{budget.total_tokens} tokens, depth {budget.depth}, top-k {budget.top_k}, lookup {budget.lookup}{chain}"
 
 
 def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=None, top_k=None,
-                   budget_config=None, log: Optional[Callable[[str], None]] = None, lookup: Optional[int] = None):
+                   budget_config=None, log: Optional[Callable[[str], None]] = None, lookup: Optional[int] = None,
+                   lookup_min_ngram: Optional[int] = None):
     """The tree budget the CLI flags ask for: (TreeBudget or None for vanilla, path to tune into or None).
 
-    lookup (--lookup N) replaces the prompt-lookup chain of whichever budget the other flags pick.
+    lookup (--lookup N) replaces the prompt-lookup chain of whichever budget the other flags pick, and
+    lookup_min_ngram (--lookup-min-ngram M) the shortest n-gram it may be found by.
 
     --budget-config FILE loads a saved budget; --total-tokens auto loads the one tuned for this
     model / method / drafter / device if it was saved before, else asks the caller to tune it
@@ -273,6 +288,10 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
         budget = dataclasses.replace(budget, lookup=lookup)
         if log:
             log(f"prompt-lookup chain of {lookup} tokens (--lookup)")
+    if lookup_min_ngram is not None:
+        budget = dataclasses.replace(budget, lookup_min_ngram=lookup_min_ngram)
+        if log:
+            log(f"prompt-lookup chains found by n-grams of at least {lookup_min_ngram} tokens (--lookup-min-ngram)")
     return budget, path
 
 
@@ -296,7 +315,8 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
                 log(f"tuned tree budget from {path}: {describe_budget(budget)}")
             return budget, None
         if log:
-            log(f"no tuned tree budget at {path} yet: tuning it once at start-up (a few minutes)")
+            log(f"no tuned tree budget at {path} yet: tuning it once at start-up (minutes: each candidate tree "
+                f"is compiled, timed and run on the calibration prompts)")
         return default_budget(method, None, depth, top_k), path
     if total_tokens is None and depth is None and top_k is None and method != "eagle1":
         for path in (default_budget_path(model, method, drafter), packaged_budget_path(model, method, drafter)):

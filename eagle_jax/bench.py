@@ -40,6 +40,7 @@ times the few-row weight products through XLA and the AVX-512 kernel (kernels/ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -47,7 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-from .autotune import DEFAULT_CANDIDATES, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups, parse_shapes, resolve_budget
+from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
+                       parse_shapes, resolve_budget)
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget
 from .serve.cli import read_prompts
@@ -290,8 +292,13 @@ def build_parser():
                    help="graft a chain of up to N tokens copied from the context by n-gram lookup onto every "
                         "draft tree, in place of its N weakest nodes where a chain is found (0: none; default: what "
                         "the tuned, packaged or default budget says; --total-tokens auto then keeps N)")
+    p.add_argument("--lookup-min-ngram", type=int, default=None,
+                   help="find the chain by n-grams of at least M tokens (1-3; default: what the budget says; "
+                        "--total-tokens auto then keeps M)")
     p.add_argument("--auto-lookups", default=",".join(map(str, DEFAULT_LOOKUPS)),
                    help="prompt-lookup chain lengths that --total-tokens auto measures at the best tree, or 'none'")
+    p.add_argument("--auto-lookup-ngrams", default=",".join(map(str, DEFAULT_LOOKUP_NGRAMS)),
+                   help="shortest n-grams that --total-tokens auto tries for the best tree's chain, or 'none'")
     p.add_argument("--json", action="store_true", help="print the result JSON as the last stdout line")
     p.add_argument("--markdown", type=Path, default=None, help="also write the Markdown table here")
     return p
@@ -318,6 +325,9 @@ def main(argv=None) -> int:
         candidates = [int(x) for x in args.auto_candidates.split(",") if x.strip()]
         shapes = parse_shapes(args.auto_shapes)
         lookups = () if args.lookup is not None else parse_lookups(args.auto_lookups)
+        lookup_ngrams = () if args.lookup_min_ngram is not None else parse_lookups(args.auto_lookup_ngrams)
+        if any(n < 1 for n in lookup_ngrams):
+            raise ValueError(f"--auto-lookup-ngrams must be >= 1, got {args.auto_lookup_ngrams!r}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -333,14 +343,21 @@ def main(argv=None) -> int:
             if sub.is_dir():
                 spec = str(sub)
             flags = (total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else (None, None, None)
-            if auto:  # autotune_methods starts from the default tree's depth, top-k and lookup
-                budget = default_budget(m, *flags, lookup=args.lookup)
-            else:  # what serve would run: the flags, else a budget tuned/packaged for this device
-                budget, _ = resolve_budget(args.model, m, args.drafter, *flags, log=log, lookup=args.lookup)
+            try:
+                if auto:  # autotune_methods starts from the default tree's depth, top-k and lookup
+                    budget = default_budget(m, *flags, lookup=args.lookup)
+                    if args.lookup_min_ngram is not None:
+                        budget = dataclasses.replace(budget, lookup_min_ngram=args.lookup_min_ngram)
+                else:  # what serve would run: the flags, else a budget tuned/packaged for this device
+                    budget, _ = resolve_budget(args.model, m, args.drafter, *flags, log=log, lookup=args.lookup,
+                                               lookup_min_ngram=args.lookup_min_ngram)
+            except ValueError as e:  # a tree the flags cannot make
+                print(f"error: {m}: {e}", file=sys.stderr)
+                return 2
             engine.add_method(m, spec, budget)
     prompt_ids = {name: [engine.encode(p, raw=args.raw) for _, p in read_prompts(path)[: args.limit]]
                   for name, path in sets}
-    tuned = autotune_methods(engine, methods, args, candidates, shapes, lookups, log) if auto else {}
+    tuned = autotune_methods(engine, methods, args, candidates, shapes, (lookups, lookup_ngrams), log) if auto else {}
     log(f"prompt sets {[(n, len(v)) for n, v in prompt_ids.items()]}, {args.max_new_tokens} new tokens, "
         f"methods {methods}")
     rows_by_set = {}
@@ -382,7 +399,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def autotune_methods(engine, methods, args, candidates, shapes, lookups, log) -> dict:
+def autotune_methods(engine, methods, args, candidates, shapes, chains, log) -> dict:
     """--total-tokens auto: tune eagle2/eagle3 on the calibration prompts (training prompts, never a
     benchmark set), generating as many tokens as the benchmark does."""
     from .autotune import default_budget_path, tune_and_save
@@ -393,8 +410,15 @@ def autotune_methods(engine, methods, args, candidates, shapes, lookups, log) ->
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
                     else default_budget_path(args.model, m, args.drafter))
             out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,
-                                   shapes=shapes, lookups=lookups, max_new_tokens=args.max_new_tokens)
+                                   shapes=shapes, lookups=chains[0], lookup_ngrams=chains[1],
+                                   max_new_tokens=args.max_new_tokens)
     return out
+
+
+def _chain(r: dict) -> str:
+    """A tree's lookup chain for the tables: its length, and the shortest n-gram where above 1."""
+    lookup, least = r.get("lookup", 0), r.get("lookup_min_ngram", 1)
+    return f"{lookup} (n ≥ {least})" if lookup and least > 1 else str(lookup)
 
 
 def full_markdown(result: dict) -> str:
@@ -412,13 +436,13 @@ def full_markdown(result: dict) -> str:
     for m, rec in result.get("autotune", {}).items():
         lines = ["| tree tokens | depth | top-k | lookup | tau | step ms | expected tok/s | measured tok/s | "
                  "measured speedup |", "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {r.get('lookup', 0)} | "
+        lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {_chain(r)} | "
                   f"{r['tau']:.2f} | "
                   f"{r['step_ms']:.1f} | {r['expected_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | "
                   f"{r['measured_speedup']:.2f} |" for r in rec["candidates"]]
         b = rec["budget"]
         parts.append(f"autotune {m}: chose {b['total_tokens']} tree tokens (depth {b['depth']}, top-k {b['top_k']}, "
-                     f"lookup {b.get('lookup', 0)})"
+                     f"lookup {_chain(b)})"
                      "\n\n" + "\n".join(lines))
     return "\n\n".join(parts)
 

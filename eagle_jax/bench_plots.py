@@ -94,12 +94,14 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         for m, rec in tuned.items():
             shapes = {}  # rows by tree shape (depth, top-k, lookup chain), each a line over tree sizes
             for r in rec["candidates"]:
-                shapes.setdefault((r.get("depth"), r.get("top_k"), r.get("lookup", 0)), []).append(r)
+                shapes.setdefault((r.get("depth"), r.get("top_k"), r.get("lookup", 0), r.get("lookup_min_ngram", 1)),
+                                  []).append(r)
             b = rec["budget"]
-            for (depth, top_k, lookup), rows in shapes.items():  # a chain takes rows of the tree: same x
+            for (depth, top_k, lookup, least), rows in shapes.items():  # a chain takes rows of the tree: same x
                 rows = sorted(rows, key=lambda r: r["total_tokens"])
                 xs = [r["total_tokens"] for r in rows]
-                tag = (f"{m} d{depth} k{top_k}" if depth is not None else m) + (f" L{lookup}" if lookup else "")
+                tag = ((f"{m} d{depth} k{top_k}" if depth is not None else m) + (f" L{lookup}" if lookup else "")
+                       + (f"n{least}" if lookup and least > 1 else ""))
                 line, = ax.plot(xs, [r["measured_speedup"] for r in rows], "o-", label=f"{tag} measured")
                 ax.plot(xs, [r["expected_tokens_per_s"] / rec["vanilla_tokens_per_s"] for r in rows], "x--",
                         color=line.get_color(), label=f"{tag} expected (tau ÷ step time)" if len(shapes) < 4 else None)

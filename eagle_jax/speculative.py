@@ -130,7 +130,7 @@ def propose_tree(head: DraftHead, target_params, tcfg: ModelConfig, st: "SpecSta
     batch rows where a chain adds nodes; a static tree gets `lookup` more rows)."""
     if not budget.lookup:
         return draft_tree(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
-    chain, chain_ok = lookup_chain(st.tokens, st.length, budget.lookup, budget.lookup_ngram)
+    chain, chain_ok = lookup_chain(st.tokens, st.length, budget.lookup, budget.lookup_ngram, budget.lookup_min_ngram)
     if budget.kind == "static":
         tree = draft_tree(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
         return Tree(*graft_chain(*tree, chain, chain_ok))

@@ -122,6 +122,7 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "5",
                        "--methods", "vanilla,eagle3", "--drafter", "random", "--total-tokens", "auto",
                        "--auto-candidates", "4,7", "--auto-shapes", "1:2", "--auto-lookups", "0,2",
+                       "--auto-lookup-ngrams", "2",
                        "--profile-reps", "0", "--plots", str(tmp_path / "plots"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     rec = out["autotune"]["eagle3"]
@@ -130,29 +131,33 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
 
     # tuned on the calibration prompts (training prompts: never the benchmark's), at the benchmark's length
     assert rec["prompts"] == len(load_prompt_file(CALIBRATION_FILE)) and rec["max_new_tokens"] == 5
-    shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"], r["lookup"])
+    shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"], r["lookup"], r["lookup_min_ngram"])
     best_of = lambda rs: max(rs, key=lambda r: r["expected_tokens_per_s"])
     # the sizes with the default tree's top-k 4 (depth 5, clamped to N - 2) and the first chain listed (0),
     # then shape 1:2 at the better size, then chain 2 at the best tree so far (0 is that tree), then the
     # sizes with the best shape and chain; no tree twice
-    assert [shape(r) for r in rows[:2]] == [(4, 2, 4, 0), (7, 5, 4, 0)]
+    assert [shape(r) for r in rows[:2]] == [(4, 2, 4, 0, 1), (7, 5, 4, 0, 1)]
     first = best_of(rows[:2])
-    assert shape(rows[2]) == (first["total_tokens"], 1, 2, 0)
+    assert shape(rows[2]) == (first["total_tokens"], 1, 2, 0, 1)
     b3 = best_of(rows[:3])
-    assert shape(rows[3]) == shape(b3)[:3] + (2,)
+    assert shape(rows[3]) == shape(b3)[:3] + (2, 1)
+    b4 = best_of(rows[:4])  # a chain in the best tree: its shortest n-gram 2 is tried next
+    if b4["lookup"]:
+        assert shape(rows[4]) == shape(b4)[:4] + (2,)
     assert len({shape(r) for r in rows}) == len(rows)
     assert released == [0] * len(rows)
     best = best_of(rows)
-    assert tuple(rec["budget"][k] for k in ("total_tokens", "depth", "top_k", "lookup")) == shape(best)
-    b4 = best_of(rows[:4])
+    assert shape(rec["budget"]) == shape(best)
+    b5 = best_of(rows[:5] if b4["lookup"] else rows[:4])
     for n in (4, 7):  # the last pass: every size with the best shape and chain (depth clamped to N - 2)
-        assert (n, min(b4["depth"], n - 2), b4["top_k"], b4["lookup"]) in {shape(r) for r in rows}
+        assert (n, min(b5["depth"], n - 2)) + shape(b5)[2:] in {shape(r) for r in rows}
     for r in rows:
         assert abs(r["expected_tokens_per_s"] - 1e3 * r["tau"] / r["step_ms"]) < 1e-6
     assert f"total_tokens={best['total_tokens']}" in out["settings"]["budgets"]["eagle3"]  # the run used it
     path = default_budget_path(str(tiny_hf_dir), "eagle3", "random")
     saved = load_budget(path, "eagle3")
-    assert rec["saved_to"] == str(path) and (saved.total_tokens, saved.depth, saved.top_k, saved.lookup) == shape(best)
+    assert rec["saved_to"] == str(path) and (saved.total_tokens, saved.depth, saved.top_k, saved.lookup,
+                                             saved.lookup_min_ngram) == shape(best)
     assert (tmp_path / "plots" / "budget.png").exists()
 
     r = subprocess.run([sys.executable, "-m", "eagle_jax.serve", "--model", str(tiny_hf_dir), "--prompt", "w5",
@@ -213,6 +218,14 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     # (it would leave 5 tokens' head no node), then the sizes with chain 3
     assert [(r["total_tokens"], r["depth"], r["lookup"]) for r in rows] == [
         (5, 3, 0), (6, 4, 0), (7, 5, 0), (5, 1, 0), (5, 1, 3), (11, 1, 6), (6, 1, 3), (7, 1, 3)]
+    # the chain's shortest n-gram: tried for the best tree's chain (1 is that tree), then the sizes with it
+    grams = lambda b: {"expected_tokens_per_s": chain(b)["expected_tokens_per_s"] + 2 * (b.lookup_min_ngram == 2)}
+    best, rows = search_budgets([5, 6], parse_shapes("1:3"), base, grams, lookups=(0, 3), lookup_ngrams=(1, 2, 3))
+    assert (best.total_tokens, best.depth, best.top_k, best.lookup, best.lookup_min_ngram) == (5, 1, 3, 3, 2)
+    assert [(r["total_tokens"], r["depth"], r["lookup"], r["lookup_min_ngram"]) for r in rows] == [
+        (5, 3, 0, 1), (6, 4, 0, 1), (5, 1, 0, 1), (5, 1, 3, 1), (5, 1, 3, 2), (5, 1, 3, 3), (6, 1, 3, 2)]
+    # no chain in the best tree: no n-gram to try
+    assert len(search_budgets([5], (), base, measure, lookups=(0,), lookup_ngrams=(2, 3))[1]) == 1
     with pytest.raises(ValueError, match="DEPTH:TOP_K"):
         parse_shapes("2x4")
     from eagle_jax.autotune import parse_lookups
@@ -237,7 +250,14 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     assert (budget.total_tokens, budget.lookup) == (12, 5)
     chained = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 8, "depth": 2, "top_k": 3,
                                                           "lookup": 4}}, tmp_path / "c.json")
-    assert load_budget(chained).lookup == 4
+    assert (load_budget(chained).lookup, load_budget(chained).lookup_min_ngram) == (4, 1)  # older files: 1
+    budget, _ = resolve_budget("m", "eagle3", "default", None, budget_config=chained, lookup_min_ngram=2)
+    assert (budget.lookup, budget.lookup_min_ngram) == (4, 2)  # --lookup-min-ngram replaces
+    grams = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 8, "depth": 2, "top_k": 3,
+                                                        "lookup": 3, "lookup_min_ngram": 3}}, tmp_path / "g.json")
+    assert load_budget(grams).lookup_min_ngram == 3
+    with pytest.raises(ValueError, match="lookup_min_ngram"):
+        resolve_budget("m", "eagle3", "default", None, budget_config=chained, lookup_min_ngram=4)
     with pytest.raises(ValueError, match="lookup must leave the head"):  # the chain takes rows of the tree
         resolve_budget("m", "eagle3", "default", None, budget_config=chained, lookup=7)
     with pytest.raises(ValueError, match="not both"):

@@ -10,9 +10,9 @@ from eagle_jax.tree import DEFAULT_STATIC_TREE, effective_parents, node_depths
 from eagle_jax.tree.lookup import graft_chain, lookup_chain
 
 
-def _lookup_ref(seq: list[int], num: int, max_ngram: int) -> list[int]:
+def _lookup_ref(seq: list[int], num: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
     """The continuation of the latest earlier occurrence of the longest matching suffix n-gram."""
-    for n in range(max_ngram, 0, -1):
+    for n in range(max_ngram, min_ngram - 1, -1):
         if len(seq) <= n:
             continue
         for st in range(len(seq) - n - 1, -1, -1):
@@ -21,17 +21,17 @@ def _lookup_ref(seq: list[int], num: int, max_ngram: int) -> list[int]:
     return []
 
 
-@pytest.mark.parametrize("num,max_ngram", [(1, 1), (4, 2), (6, 3)])
-def test_lookup_chain_matches_a_plain_search(num, max_ngram):
+@pytest.mark.parametrize("num,max_ngram,min_ngram", [(1, 1, 1), (4, 2, 1), (6, 3, 1), (4, 3, 2), (5, 3, 3)])
+def test_lookup_chain_matches_a_plain_search(num, max_ngram, min_ngram):
     rng = np.random.default_rng(num * 10 + max_ngram)
     b, s = 64, 40
-    tokens = rng.integers(0, 5, (b, s))  # five symbols: many repeats, some rows without any
+    tokens = rng.integers(0, {1: 5, 2: 3, 3: 2}[min_ngram], (b, s))  # few symbols: many repeats, some rows without any
     tokens[:8] = np.arange(s)[None] + 100  # no repeats at all: no chain
     length = rng.integers(1, s + 1, b)
-    toks, ok = lookup_chain(jnp.asarray(tokens), jnp.asarray(length), num, max_ngram)
+    toks, ok = lookup_chain(jnp.asarray(tokens), jnp.asarray(length), num, max_ngram, min_ngram)
     toks, ok = np.asarray(toks), np.asarray(ok)
     for i in range(b):
-        want = _lookup_ref(tokens[i, :length[i]].tolist(), num, max_ngram)
+        want = _lookup_ref(tokens[i, :length[i]].tolist(), num, max_ngram, min_ngram)
         k = int(ok[i].sum())
         assert ok[i].tolist() == [True] * k + [False] * (num - k)  # a prefix
         assert toks[i, :k].tolist() == want, (i, tokens[i, :length[i]].tolist())
@@ -98,3 +98,7 @@ def test_budget_counts_the_chain():
     assert (s.num_nodes, s.max_depth) == (DEFAULT_STATIC_TREE.num_nodes + 3, max(DEFAULT_STATIC_TREE.depth, 3))
     with pytest.raises(ValueError, match="root and one node"):
         TreeBudget("dynamic", total_tokens=4, depth=2, top_k=2, lookup=3)
+    with pytest.raises(ValueError, match="lookup_min_ngram"):
+        TreeBudget("dynamic", total_tokens=8, depth=2, top_k=2, lookup=3, lookup_min_ngram=4)  # above lookup_ngram
+    with pytest.raises(ValueError, match="lookup_min_ngram"):
+        TreeBudget("dynamic", total_tokens=8, depth=2, top_k=2, lookup=3, lookup_min_ngram=0)

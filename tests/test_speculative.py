@@ -67,6 +67,7 @@ def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, r
 
 @pytest.mark.parametrize("head_name,budget", [
     ("eagle3-random", LOOKUP), ("oracle-draft-vocab", LOOKUP),
+    ("eagle3-random", dataclasses.replace(LOOKUP, lookup_min_ngram=3)),  # chains found by trigrams only
     ("eagle1-random", TreeBudget("static", static_tree=DEFAULT_STATIC_TREE, lookup=3))])
 def test_greedy_speculative_with_a_lookup_chain_equals_plain_greedy(tiny_llama, head_name, budget, rng):
     """Trees with a prompt-lookup chain grafted on decode plain greedy's tokens; with a random
@@ -86,7 +87,8 @@ def test_greedy_speculative_with_a_lookup_chain_equals_plain_greedy(tiny_llama, 
                         budget=dataclasses.replace(budget, lookup=0))
         assert _rows(plain, lens) == _rows(ref, lens)
         assert int(out.target_calls.sum()) < int(plain.target_calls.sum())
-        assert acc.max() > plain.accept_lengths.max()
+        if budget.lookup_min_ngram == 1:  # unigram matches find the motif's long runs here
+            assert acc.max() > plain.accept_lengths.max()
 
 
 def test_a_dynamic_tree_gives_the_chain_its_weakest_rows_only_where_one_was_found(tiny_llama):

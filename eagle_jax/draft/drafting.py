@@ -42,12 +42,13 @@ class TreeBudget:
     never be kept (a 4-token tree drafts 2 levels, not 5).
     static (EAGLE-1): the fixed tree `static_tree`; total_tokens = its node count.
     lookup: a chain of up to `lookup` tokens copied from the context by n-gram lookup (n-grams of
-    `lookup_ngram` tokens down to 1, the longest that occurred before first) is grafted onto the
-    head's tree (`tree.lookup`); paths reach `lookup` deep. A dynamic tree keeps its
-    `total_tokens` rows: in a batch row where a chain was found, the head's best
-    `total_tokens - lookup` nodes and the chain's new nodes, elsewhere the head's best
-    `total_tokens` as without a chain. A static tree gets `lookup` more rows for it. 0: the
-    head's tree alone.
+    `lookup_ngram` tokens down to `lookup_min_ngram`, the longest that occurred before first) is
+    grafted onto the head's tree (`tree.lookup`); paths reach `lookup` deep. A larger
+    `lookup_min_ngram` finds fewer chains and better ones: where the tree is small, a wrong chain
+    costs the head's rows. A dynamic tree keeps its `total_tokens` rows: in a batch row where a
+    chain was found, the head's best `total_tokens - lookup` nodes and the chain's new nodes,
+    elsewhere the head's best `total_tokens` as without a chain. A static tree gets `lookup` more
+    rows for it. 0: the head's tree alone.
     """
 
     kind: str = "dynamic"
@@ -57,10 +58,12 @@ class TreeBudget:
     static_tree: Optional[StaticTree] = None
     lookup: int = 0
     lookup_ngram: int = 3
+    lookup_min_ngram: int = 1
 
     def __post_init__(self):
-        if self.lookup < 0 or self.lookup_ngram < 1:
-            raise ValueError(f"lookup must be >= 0 and lookup_ngram >= 1, got {self.lookup}, {self.lookup_ngram}")
+        if self.lookup < 0 or not 1 <= self.lookup_min_ngram <= self.lookup_ngram:
+            raise ValueError(f"need lookup >= 0 and 1 <= lookup_min_ngram <= lookup_ngram, got {self.lookup}, "
+                             f"{self.lookup_min_ngram}, {self.lookup_ngram}")
         if self.kind not in ("dynamic", "static"):
             raise ValueError(f"tree kind must be 'dynamic' or 'static', got {self.kind!r}")
         if self.kind == "static":

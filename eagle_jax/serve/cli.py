@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tree, in place of its N weakest nodes where a chain is found (more tokens a step where the "
                         "text repeats itself; lossless like the rest of the tree). 0: none; default: what the "
                         "tuned, packaged or default budget says")
+    p.add_argument("--lookup-min-ngram", type=int, default=None,
+                   help="find the lookup chain by n-grams of at least M tokens (1-3: larger finds fewer, surer "
+                        "chains); default: what the budget says")
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="target attention: the jnp reference or the Pallas tree-attention kernel (Mosaic on TPU, "
                         "Triton on GPU, Pallas' interpreter elsewhere)")
@@ -152,7 +155,8 @@ def main(argv=None) -> int:
     try:
         method = pick_method(args.model, args.method, args.drafter)
         budget, tune_path = resolve_budget(args.model, method, args.drafter, args.total_tokens, args.depth,
-                                           args.tree_top_k, args.budget_config, log=say, lookup=args.lookup)
+                                           args.tree_top_k, args.budget_config, log=say, lookup=args.lookup,
+                                           lookup_min_ngram=args.lookup_min_ngram)
     except ValueError as e:
         return _fail(str(e))
     if serving:
@@ -173,7 +177,8 @@ def main(argv=None) -> int:
         from ..autotune import tune_and_save
 
         tune_and_save(engine, method, tune_path, log=say, drafter=args.drafter,
-                      lookups=None if args.lookup is None else ())
+                      lookups=None if args.lookup is None else (),
+                      lookup_ngrams=None if args.lookup_min_ngram is None else ())
     if args.chat:
         from .chat import run_chat
 
@@ -207,6 +212,7 @@ def _serve(args, method: str, budget, tune_path=None) -> int:
                              "at least 1")
         opts = ServeOptions(model=args.model, method=method, drafter=args.drafter, budget=budget, tune_path=tune_path,
                             tune_lookups=None if args.lookup is None else (),
+                            tune_lookup_ngrams=None if args.lookup_min_ngram is None else (),
                             dtype=args.dtype, layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows,
                             attention=args.attention, max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
                             cache_buckets=buckets,

@@ -49,6 +49,7 @@ class ServeOptions:
     budget: Optional[object] = None  # a TreeBudget; None = the method's default
     tune_path: Optional[Path] = None  # autotune the tree budget at start-up and save it here
     tune_lookups: Optional[tuple] = None  # the lookup chains that tuning tries (None: autotune's default)
+    tune_lookup_ngrams: Optional[tuple] = None  # their shortest n-grams that tuning tries (None: the default)
     dtype: str = "float32"
     attention: str = "reference"
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
@@ -120,7 +121,7 @@ class ServerState:
                     from ..autotune import tune_and_save
 
                     tune_and_save(self.engine, self.engine.method, o.tune_path, log=self._say, drafter=o.drafter,
-                                  lookups=o.tune_lookups)
+                                  lookups=o.tune_lookups, lookup_ngrams=o.tune_lookup_ngrams)
             self.engine.max_cache_len = self.buckets[-1]
             self.method = self.engine.method
             if o.warmup:
@@ -323,7 +324,7 @@ def create_app(state: ServerState) -> Starlette:
         if state.engine is not None and state.method in state.engine.budgets:
             b = state.engine.budgets[state.method]
             info["tree_budget"] = {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k,
-                                   "lookup": b.lookup}
+                                   "lookup": b.lookup, "lookup_min_ngram": b.lookup_min_ngram}
         return {"id": state.model_name, "object": "model", "created": int(state.t_ready or time.time()),
                 "owned_by": "eagle_jax", "eagle_jax": info}
 
