@@ -135,7 +135,8 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     best_of = lambda rs: max(rs, key=lambda r: r["expected_tokens_per_s"])
     # the sizes with the default tree's top-k 4 (depth 5, clamped to N - 2) and the first chain listed (0),
     # then shape 1:2 at the better size, then chain 2 at the best tree so far (0 is that tree), then the
-    # sizes with the best shape and chain; no tree twice
+    # shortest n-gram 2 if the best tree has a chain, then the sizes with the best shape and chain; no
+    # tree twice
     assert [shape(r) for r in rows[:2]] == [(4, 2, 4, 0, 1), (7, 5, 4, 0, 1)]
     first = best_of(rows[:2])
     assert shape(rows[2]) == (first["total_tokens"], 1, 2, 0, 1)
