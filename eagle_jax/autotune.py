@@ -116,7 +116,7 @@ def parse_lookups(spec: str) -> tuple:
 def _valid(n: int, depth: int, top_k: int, lookup: int = 0, min_ngram: int = 1) -> Optional[TreeBudget]:
     try:
         return TreeBudget("dynamic", total_tokens=n, depth=depth, top_k=top_k, lookup=lookup,
-                          lookup_min_ngram=min_ngram if lookup else 1)
+                          lookup_min_ngram=min_ngram)
     except ValueError:  # more nodes than this depth and top-k can offer, or a chain that leaves no head node
         return None
 
@@ -201,8 +201,7 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
         row = {"tau": tau, "step_ms": prof["step_ms"], "draft_ms": prof["draft_ms"],
                "verify_ms": prof["verify_ms"], "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
                "measured_tokens_per_s": tps, "measured_speedup": tps / vanilla_tps}
-        say(f"autotune {method}: N={budget.total_tokens} depth {budget.depth} top-k {budget.top_k} "
-            f"lookup {budget.lookup} (n-grams >= {budget.lookup_min_ngram}): tau {tau:.2f}, "
+        say(f"autotune {method}: {describe_budget(budget)}: tau {tau:.2f}, "
             f"step {prof['step_ms']:.1f} ms (verify {prof['verify_ms']:.1f}), expected "
             f"{row['expected_tokens_per_s']:.1f} tok/s, measured {tps:.1f}")
         return row

@@ -102,3 +102,6 @@ def test_budget_counts_the_chain():
         TreeBudget("dynamic", total_tokens=8, depth=2, top_k=2, lookup=3, lookup_min_ngram=4)  # above lookup_ngram
     with pytest.raises(ValueError, match="lookup_min_ngram"):
         TreeBudget("dynamic", total_tokens=8, depth=2, top_k=2, lookup=3, lookup_min_ngram=0)
+    # without a chain the n-gram minimum changes nothing, so it is one budget (one compiled program)
+    assert TreeBudget("dynamic", total_tokens=8, depth=2, top_k=2, lookup_min_ngram=3) == TreeBudget(
+        "dynamic", total_tokens=8, depth=2, top_k=2)

@@ -45,10 +45,11 @@ class TreeBudget:
     `lookup_ngram` tokens down to `lookup_min_ngram`, the longest that occurred before first) is
     grafted onto the head's tree (`tree.lookup`); paths reach `lookup` deep. A larger
     `lookup_min_ngram` finds fewer chains and better ones: where the tree is small, a wrong chain
-    costs the head's rows. A dynamic tree keeps its `total_tokens` rows: in a batch row where a
-    chain was found, the head's best `total_tokens - lookup` nodes and the chain's new nodes,
-    elsewhere the head's best `total_tokens` as without a chain. A static tree gets `lookup` more
-    rows for it. 0: the head's tree alone.
+    costs the head's rows (without a chain it is set to 1: the same tree). A dynamic tree keeps
+    its `total_tokens` rows: in a batch row where a chain was found, the head's best
+    `total_tokens - lookup` nodes and the chain's new nodes, elsewhere the head's best
+    `total_tokens` as without a chain. A static tree gets `lookup` more rows for it. 0: the head's
+    tree alone.
     """
 
     kind: str = "dynamic"
@@ -64,6 +65,8 @@ class TreeBudget:
         if self.lookup < 0 or not 1 <= self.lookup_min_ngram <= self.lookup_ngram:
             raise ValueError(f"need lookup >= 0 and 1 <= lookup_min_ngram <= lookup_ngram, got {self.lookup}, "
                              f"{self.lookup_min_ngram}, {self.lookup_ngram}")
+        if not self.lookup:  # no chain to find: one budget, one compiled program, whatever the n-grams
+            object.__setattr__(self, "lookup_min_ngram", 1)
         if self.kind not in ("dynamic", "static"):
             raise ValueError(f"tree kind must be 'dynamic' or 'static', got {self.kind!r}")
         if self.kind == "static":

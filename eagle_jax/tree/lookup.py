@@ -3,8 +3,8 @@
 Small targets repeat themselves and their prompts (a name, a signature, a phrase said twice). The
 head's tree often misses such a run where a plain n-gram lookup gets it whole, so a step may add one
 chain of `L` tokens found by lookup to the head's tree: the last `n` committed tokens (the root
-included, n = max_ngram … 1, longest first) are searched for in the committed sequence, and the
-`L` tokens that followed their latest earlier occurrence are proposed.
+included, n = max_ngram … min_ngram, longest first) are searched for in the committed sequence,
+and the `L` tokens that followed their latest earlier occurrence are proposed.
 
 Grafting keeps siblings distinct (the tree contract): the chain walks down the head's tree while
 its tokens match an existing child and is attached as new nodes from where it leaves the tree.
