@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from eagle_jax.training import prompts as P
@@ -52,6 +53,37 @@ def test_near_duplicates_and_held_out_filter():
     assert [p["id"] for p in kept] == ["2", "4", "5"] and st == {"duplicates": 1, "near_held_out": 2}
     kept = P.drop_near_duplicates(ps[2:], reference=[{"prompt": "What is a prime number?"}])
     assert [p["id"] for p in kept] == ["2", "4"]
+
+
+def test_near_duplicate_index_decides_like_comparing_every_pair():
+    """The trigram index is a speed-up only: same kept list as the all-pairs Jaccard rule."""
+    rng = np.random.default_rng(0)
+    words = "how do i make good tea".split()
+    ps = [{"id": str(i), "prompt": " ".join(rng.choice(words, size=rng.integers(2, 7)))} for i in range(400)]
+    ref, held = ps[:30], ps[30:40]
+
+    def brute(prompts, held_out, reference, threshold=0.6):
+        def jacc(a, b):
+            return len(a & b) / max(1, len(a | b))
+        norm = lambda p: " ".join(P._norm_words(p["prompt"]))  # noqa: E731
+        hs = [P._shingles(p["prompt"]) for p in held_out]
+        ks = [P._shingles(p["prompt"]) for p in reference]
+        kn = {norm(p) for p in reference}
+        out = []
+        for p in prompts:
+            sh = P._shingles(p["prompt"])
+            if norm(p) in {norm(h) for h in held_out} or any(jacc(sh, h) >= threshold for h in hs):
+                continue
+            if norm(p) in kn or any(jacc(sh, k) >= threshold for k in ks):
+                continue
+            out.append(p)
+            ks.append(sh)
+            kn.add(norm(p))
+        return out
+
+    want = brute(ps[40:], held, ref)
+    assert 20 < len(want) < 340  # the set exercises both outcomes
+    assert P.drop_near_duplicates(ps[40:], held, reference=ref) == want
 
 
 @pytest.mark.parametrize("raw,want", [

@@ -171,6 +171,25 @@ def test_stop_at_step_then_continue_equals_one_run(tmp_path):
     assert all(0 < v < 1e4 for v in steps_per_s)
 
 
+def test_max_seconds_ends_the_run_saved_and_a_rerun_continues(tmp_path):
+    cfg = _toy_config(tmp_path / "r", total=6, save_every=100)
+    cfg["train"]["max_seconds"] = 1e-9  # out of time at the first check (step 1: log_every is 1)
+    tr, _ = _trainer(cfg)
+    tr.run()
+    tr.close()
+    assert tr.stopped_early and tr.step_count == 1
+    evals = [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r["split"] == "eval"]
+    assert evals == [1]  # evaluated at the stop, as at an end
+    cfg["train"]["max_seconds"] = None  # bookkeeping: changing it does not warn or restart
+    rest, _ = _trainer(cfg)
+    assert rest.restored_step == 1  # saved at the stop although save_every was never reached
+    rest.run()
+    rest.close()
+    assert rest.step_count == 6 and not rest.stopped_early
+    with pytest.raises(ValueError, match="max_seconds"):
+        TrainConfig(max_seconds=0)
+
+
 # ------------------------------------------------------------------------------ two processes
 def _free_port() -> int:
     import socket

@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -285,29 +286,47 @@ def drop_near_duplicates(prompts: Sequence[dict], held_out: Sequence[dict] = (),
                          stats: Optional[dict] = None, reference: Sequence[dict] = ()) -> list[dict]:
     """Drop exact/near duplicates (word-trigram Jaccard >= threshold, or identical normalized text)
     among `prompts` and of the already-kept `reference` prompts, and any prompt near a held-out one.
-    stats gets {"duplicates", "near_held_out"}."""
+    stats gets {"duplicates", "near_held_out"}.
+
+    Kept prompts are indexed by trigram, so a prompt is compared only with those it shares a trigram
+    with (their overlap counted from the index): tens of thousands of self-instruct questions in
+    seconds, with the same decisions as comparing every pair."""
     held = [_shingles(p["prompt"]) for p in held_out]
     held_norm = {" ".join(_norm_words(p["prompt"])) for p in held_out}
     kept = []
-    kept_sh = [_shingles(p["prompt"]) for p in reference]
-    kept_norm = {" ".join(_norm_words(p["prompt"])) for p in reference}
+    kept_size: list[int] = []
+    index: dict = {}  # trigram -> indices of the kept (or reference) prompts that hold it
+    kept_norm = set()
     dup = near_held = 0
 
     def jacc(a, b):
         return len(a & b) / max(1, len(a | b))
 
+    def keep(sh, norm):
+        for g in sh:
+            index.setdefault(g, []).append(len(kept_size))
+        kept_size.append(len(sh))
+        kept_norm.add(norm)
+
+    def near_kept(sh) -> bool:
+        overlap = Counter()
+        for g in sh:
+            overlap.update(index.get(g, ()))
+        return any(n / max(1, len(sh) + kept_size[j] - n) >= threshold for j, n in overlap.items())
+
+    for p in reference:
+        keep(_shingles(p["prompt"]), " ".join(_norm_words(p["prompt"])))
     for p in prompts:
         norm = " ".join(_norm_words(p["prompt"]))
         sh = _shingles(p["prompt"])
         if norm in held_norm or any(jacc(sh, h) >= threshold for h in held):
             near_held += 1
             continue
-        if norm in kept_norm or any(jacc(sh, k) >= threshold for k in kept_sh):
+        if norm in kept_norm or near_kept(sh):
             dup += 1
             continue
         kept.append(p)
-        kept_sh.append(sh)
-        kept_norm.add(norm)
+        keep(sh, norm)
     if stats is not None:
         stats.update(duplicates=dup, near_held_out=near_held)
     return kept

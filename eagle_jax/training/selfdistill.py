@@ -99,15 +99,16 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
                     evals_per_subset: int = 12, evals_skip: int = 0, limit: Optional[int] = None, seed: int = 0,
                     counts: Optional[dict] = None, stdlib_code_n: int = 600,
                     package_code_n: int = 600, code_packages: Sequence[str] = C.DEFAULT_PACKAGES,
-                    exclude_ids: Sequence[str] = (), seed_topics: Sequence[str] = ("default",)
-                    ) -> tuple[list[dict], list[dict]]:
+                    exclude_ids: Sequence[str] = (), seed_topics: Sequence[str] = ("default",),
+                    self_instruct_batch_size: int = 16) -> tuple[list[dict], list[dict]]:
     """(train prompts, eval prompts). Training prompts are deduplicated and filtered against every
     held-out prompt; self-instruct questions are cached in `<out>/self_instruct_prompts.jsonl`.
     `limit` caps the training prompts per source (the first `limit` after a seeded shuffle);
     prompts whose id is in `exclude_ids` (e.g. already in a stored data set) are left out, and
     stdlib-code chooses its `stdlib_code_n` among the others (package-code its `package_code_n`
     among the documented functions of `code_packages`). self-instruct draws its topics from the
-    `seed_topics` lists (files or packaged names, `prompts.SEED_TOPIC_LISTS`), deduplicated."""
+    `seed_topics` lists (files or packaged names, `prompts.SEED_TOPIC_LISTS`), deduplicated, writing
+    `self_instruct_batch_size` questions per batch."""
     unknown = set(sources) - set(SOURCES)
     if unknown:
         raise ValueError(f"unknown sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
@@ -146,7 +147,8 @@ def collect_prompts(engine, sources: Sequence[str], out_dir: Path, *, self_instr
             _log(f"self-instruct: {len(have)} cached, writing {want - len(have)} more with the target")
             t0 = time.perf_counter()
             new = P.self_instruct_prompts(engine, topics, want - len(have), held_out=held,
-                                          existing=train + have, seed=seed + len(have), stats=si_stats)
+                                          existing=train + have, seed=seed + len(have), stats=si_stats,
+                                          batch_size=self_instruct_batch_size)
             append_jsonl(cache, new)
             si_stats["seconds"] = round(time.perf_counter() - t0, 1)
             have = have + new
@@ -436,6 +438,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed-topics", default="default",
                     help="self-instruct: comma list of topic lists, files (one topic a line) or the packaged "
                          "'default' (144 topics) and 'more' (392 others)")
+    ap.add_argument("--self-instruct-batch-size", type=int, default=16,
+                    help="self-instruct: questions written per batch (one compiled shape; larger on an accelerator)")
     ap.add_argument("--evals-per-subset", type=int, default=12)
     ap.add_argument("--evals-skip", type=int, default=0,
                     help="skip the first N of each eval's seeded order (the prompts an earlier dataset used)")
@@ -480,7 +484,8 @@ def main(argv=None) -> int:
                                    stdlib_code_n=args.stdlib_code_n, package_code_n=args.package_code_n,
                                    code_packages=[s.strip() for s in args.code_packages.split(",") if s.strip()],
                                    exclude_ids=stored_ids(args.exclude_ids_from),
-                                   seed_topics=[s.strip() for s in args.seed_topics.split(",") if s.strip()])
+                                   seed_topics=[s.strip() for s in args.seed_topics.split(",") if s.strip()],
+                                   self_instruct_batch_size=args.self_instruct_batch_size)
     _log("prompts: " + json.dumps(counts))
     d = Distiller(engine, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -41,6 +41,7 @@ DECAYS = ("cosine", "linear", "constant")
 _PLOT_EVERY_S = 300.0
 # TrainConfig fields that do not change the computed params (free to change on resume)
 _BOOKKEEPING = frozenset({"output_dir", "checkpoint_dir", "save_every", "keep_checkpoints", "async_checkpointing",
+                          "max_seconds",
                           "log_every", "eval_every", "eval_at_start", "progress", "plot"})
 LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, Mapping[str, jax.Array]]]
 EvalFn = Callable[[Any, Any], Mapping[str, float]]
@@ -55,6 +56,10 @@ class TrainConfig:
     warmup_steps: int = 100
     total_steps: int = 1000
     stop_at_step: Optional[int] = None  # end this run early (the schedule still spans total_steps)
+    # end this run once it has trained this long (seconds from its first step, compiling included;
+    # checked every log_every steps): a time box on a lent or preemptible machine. It saves, evaluates
+    # and exports as at its end; the schedule still spans total_steps, and a rerun resumes.
+    max_seconds: Optional[float] = None
     decay: str = "cosine"  # "cosine" | "linear" | "constant"
     end_lr_ratio: float = 0.0
     weight_decay: float = 0.0  # decoupled; never applied to biases and norm scales
@@ -88,6 +93,8 @@ class TrainConfig:
                              "total_steps >= 1")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.total_steps:
             raise ValueError(f"stop_at_step must be in [1, total_steps={self.total_steps}], got {self.stop_at_step}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be > 0 (or null: no time limit), got {self.max_seconds}")
         if self.learning_rate <= 0 or not 0 <= self.end_lr_ratio <= 1:
             raise ValueError("learning_rate must be > 0 and end_lr_ratio in [0, 1]")
         if self.batch_size < 1 or self.seq_len < 1:
@@ -295,6 +302,7 @@ class Trainer:
         self._step_fn = make_train_step(loss_fn, self.optimizer, self.schedule)
         self._compiled: dict = {}
         self._last_plot = time.monotonic()
+        self.stopped_early = False  # set when max_seconds ends a run
         # outputs, checkpoints, resume
         self.metrics = MetricsLog(cfg.output_dir, enabled=self.is_main)
         self.checkpoints = None
@@ -415,6 +423,15 @@ class Trainer:
             return []
         return plot_metrics(self.metrics.path, Path(self.cfg.output_dir) / "plots")
 
+    def _out_of_time(self, t_run: float) -> bool:
+        """Whether max_seconds has passed; process 0's clock decides for every process."""
+        late = time.monotonic() - t_run > self.cfg.max_seconds
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+        return late
+
     # -- the loop
     def run(self) -> TrainState:
         """Train to `total_steps` (or `stop_at_step`) from the restored step, logging, evaluating and saving."""
@@ -428,6 +445,7 @@ class Trainer:
         window, t_log, last_eval = [], time.perf_counter(), -1
         if cfg.eval_at_start and step == 0 and self.eval_fn is not None:
             self.evaluate()
+        t_run = time.monotonic()
         try:
             while step < end:
                 try:
@@ -453,6 +471,12 @@ class Trainer:
                 if self.checkpoints is not None and self.checkpoints.reached_preemption(step):
                     log.warning("preemption notice at step %d: saving and stopping", step)
                     break  # all processes reach the same sync point; the save below is the last one
+                if cfg.max_seconds is not None and step % cfg.log_every == 0 and step < end \
+                        and self._out_of_time(t_run):
+                    log.warning("max_seconds (%s) reached at step %d of %d: saving and stopping", cfg.max_seconds,
+                                step, end)
+                    self.stopped_early = True
+                    break
             if window:
                 self._log_train(step, window, t_log)
             if self.eval_fn is not None and step > start and last_eval != step:
