@@ -246,8 +246,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = export_head(trainer.params, aux, eagle_job.last_head_cfg, config.get("model", {}).get(
             "target", "smollm2-135m-instruct"), export.get("dtype", "float16"), export["path"])
         print(f"exported the head to {out}", file=sys.stderr)
-    summary = {"step": trainer.step_count, "stopped_early": trainer.stopped_early, "output_dir": str(Path(train_cfg.output_dir).absolute()),
-               "mesh": dict(trainer.mesh.shape), "devices": jax.device_count(), "processes": jax.process_count()}
+    summary = {"step": trainer.step_count, "stopped_early": trainer.stopped_early,
+               "output_dir": str(Path(train_cfg.output_dir).absolute()), "mesh": dict(trainer.mesh.shape),
+               "devices": jax.device_count(), "processes": jax.process_count()}
     last = {}
     if trainer.metrics.path.exists():
         for line in trainer.metrics.path.read_text().splitlines():

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The default drafters for SmolLM2-135M-Instruct, end to end on this CPU (each stage resumes):
+# The default drafters for SmolLM2-135M-Instruct, end to end (each stage resumes; stages 1–21 ran on
+# this CPU, stage 22 on a lent GPU):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in eighteen stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in twenty-two stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
 #      bf16 compute), stage 9 on sd4 + sd5 (stored too), stages 10 and 11 add sd6 and sd7
 #      (LowpDense: bf16 products on the CPU's matrix units), stages 12 and 13 add sd8 and sd9, stage
 #      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17
-#      sd14, stage 18 sd15 (the packaged head; stage 19, not packaged, replays four sets beside
-#      sd16) — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3, online for EAGLE-1);
+#      sd14, stage 18 sd15 (stage 19, not packaged, replays four sets beside sd16), stage 20 sd17 +
+#      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (the packaged head: 1000 steps of 64
+#      rows on a GPU) every set plus sd20a — and an EAGLE-1 head on runs/sd (offline features for
+#      EAGLE-3 on the CPU, online for EAGLE-1 and for stage 22);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -132,9 +135,17 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage20.json "$@"
 # stage 20's head (its 12288-token vocabulary kept) on stage 20's sets and sd19.
 self_instruct_set sd19 1500 19 --seed-topics default,more
 train/cpu.sh configs/train/smollm2_eagle3_cpu_stage21.json "$@"
+# sd20 (stored): 11807 self-instruct conversations about both topic lists (seed 20), written on a lent
+# H200 at stop 38 by train/gpu.sh's first step (whole batches of 512; the first 694, sd20a, by
+# continuous batching before a time box stopped it, the other 11113, sd20b, by a rerun with
+# --no-continuous). Stage 22 trains stage 21's head on every earlier set plus sd20a: 1000 steps of
+# 64 rows, target features online. It took 127 s on the H200. JAX picks the GPU where there is one;
+# on this CPU the same command resumes from its checkpoints and would need most of a day (an
+# estimate from the CPU stages' step times, not a run).
+python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage22.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage21/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage22/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"

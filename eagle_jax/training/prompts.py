@@ -289,8 +289,8 @@ def drop_near_duplicates(prompts: Sequence[dict], held_out: Sequence[dict] = (),
     stats gets {"duplicates", "near_held_out"}.
 
     Kept prompts are indexed by trigram, so a prompt is compared only with those it shares a trigram
-    with (their overlap counted from the index): tens of thousands of self-instruct questions in
-    seconds, with the same decisions as comparing every pair."""
+    with (their overlap counted from the index): the same decisions as comparing every pair, at a
+    cost that stays small for the tens of thousands of questions a GPU writes in a minute."""
     held = [_shingles(p["prompt"]) for p in held_out]
     held_norm = {" ".join(_norm_words(p["prompt"])) for p in held_out}
     kept = []

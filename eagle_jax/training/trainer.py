@@ -41,8 +41,7 @@ DECAYS = ("cosine", "linear", "constant")
 _PLOT_EVERY_S = 300.0
 # TrainConfig fields that do not change the computed params (free to change on resume)
 _BOOKKEEPING = frozenset({"output_dir", "checkpoint_dir", "save_every", "keep_checkpoints", "async_checkpointing",
-                          "max_seconds",
-                          "log_every", "eval_every", "eval_at_start", "progress", "plot"})
+                          "max_seconds", "log_every", "eval_every", "eval_at_start", "progress", "plot"})
 LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, Mapping[str, jax.Array]]]
 EvalFn = Callable[[Any, Any], Mapping[str, float]]
 
@@ -434,7 +433,8 @@ class Trainer:
 
     # -- the loop
     def run(self) -> TrainState:
-        """Train to `total_steps` (or `stop_at_step`) from the restored step, logging, evaluating and saving."""
+        """Train to `total_steps` (or `stop_at_step`, or until `max_seconds` pass) from the restored step,
+        logging, evaluating and saving."""
         cfg = self.cfg
         step = start = self.step_count
         end = cfg.total_steps if cfg.stop_at_step is None else cfg.stop_at_step
