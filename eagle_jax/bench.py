@@ -357,7 +357,7 @@ def main(argv=None) -> int:
             engine.add_method(m, spec, budget)
     prompt_ids = {name: [engine.encode(p, raw=args.raw) for _, p in read_prompts(path)[: args.limit]]
                   for name, path in sets}
-    tuned = autotune_methods(engine, methods, args, candidates, shapes, (lookups, lookup_ngrams), log) if auto else {}
+    tuned = autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_ngrams, log) if auto else {}
     log(f"prompt sets {[(n, len(v)) for n, v in prompt_ids.items()]}, {args.max_new_tokens} new tokens, "
         f"methods {methods}")
     rows_by_set = {}
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def autotune_methods(engine, methods, args, candidates, shapes, chains, log) -> dict:
+def autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_ngrams, log) -> dict:
     """--total-tokens auto: tune eagle2/eagle3 on the calibration prompts (training prompts, never a
     benchmark set), generating as many tokens as the benchmark does."""
     from .autotune import default_budget_path, tune_and_save
@@ -410,7 +410,7 @@ def autotune_methods(engine, methods, args, candidates, shapes, chains, log) -> 
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
                     else default_budget_path(args.model, m, args.drafter))
             out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,
-                                   shapes=shapes, lookups=chains[0], lookup_ngrams=chains[1],
+                                   shapes=shapes, lookups=lookups, lookup_ngrams=lookup_ngrams,
                                    max_new_tokens=args.max_new_tokens)
     return out
 
