@@ -64,9 +64,22 @@ def default_budget_path(model: str, method: str, drafter: str) -> Path:
 
 
 def packaged_budget_path(model: str, method: str, drafter: str) -> Path:
-    """A budget tuned for this platform (cpu / gpu / tpu) that ships with eagle_jax, if any."""
-    return (Path(__file__).parent / "assets" / "budgets"
-            / f"{Path(str(model)).name}.{method}.{Path(str(drafter)).name}.{jax.devices()[0].platform}.json")
+    """A budget tuned for this platform (cpu / gpu / tpu) that ships with eagle_jax, if any. On a CPU
+    whose matmul kernel is the AVX2 build, where a tree costs more a token than with AVX-512, one
+    tuned on an AVX2 CPU (`.cpu-avx2.json`) where it ships."""
+    base = Path(__file__).parent / "assets" / "budgets"
+    stem = f"{Path(str(model)).name}.{method}.{Path(str(drafter)).name}"
+    platform = jax.devices()[0].platform
+    if platform == "cpu":
+        from .kernels import cpu_matmul
+
+        try:
+            isa = cpu_matmul.cpu_isa()
+        except RuntimeError:
+            isa = None
+        if isa not in (None, "avx512") and (base / f"{stem}.cpu-{isa}.json").exists():
+            return base / f"{stem}.cpu-{isa}.json"
+    return base / f"{stem}.{platform}.json"
 
 
 def release_programs() -> None:

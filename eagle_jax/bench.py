@@ -34,7 +34,7 @@ for this platform, else the default tree.
 
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
 against the reference path; see eagle_jax/kernels/bench.py); `python -m eagle_jax.bench matmul`
-times the few-row weight products through XLA and the AVX-512 kernel (kernels/matmul_bench.py).
+times the few-row weight products through XLA and the CPU kernel (kernels/matmul_bench.py).
 """
 
 from __future__ import annotations
@@ -84,16 +84,27 @@ def resolve_prompt_sets(spec: str) -> list[tuple[str, Path]]:
 def machine_info() -> dict:
     import jax
 
+    from .kernels import cpu_matmul
+
     cpu = platform.processor() or platform.machine()
+    fields = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if not line.strip():
                 break
+        cpu = fields.get("model name", cpu)
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "jax": jax.__version__, "jax_backend": jax.default_backend(),
+    try:  # the instruction set the CPU kernels build for ("avx512", "avx2"); None without either
+        isa = cpu_matmul.cpu_isa()
+    except RuntimeError:
+        isa = None
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_family_model": f"{fields.get('cpu family', '?')}/"
+            f"{fields.get('model', '?')}", "cpu_isa": isa, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
             "jax_devices": [str(d) for d in jax.devices()]}
 
 
@@ -255,8 +266,9 @@ def build_parser():
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="target attention for the eagle_jax methods (pallas: the tree-attention kernel)")
     p.add_argument("--matmul", default="auto", choices=("auto", "cpu_kernel", "xla"),
-                   help="weight products: the AVX-512 few-row kernel (reads a GGUF model's Q4_1/Q8_0 blocks; same "
-                        "float32 results), XLA's dot, or auto (the kernel on an AVX-512 CPU where it builds)")
+                   help="weight products: the few-row CPU kernel (AVX-512 or AVX2; reads a GGUF model's Q4_1/Q8_0 "
+                        "blocks; same float32 results), XLA's dot, or auto (the kernel on an x86-64 CPU where it "
+                        "builds)")
     p.add_argument("--draft-rows", default="auto", choices=("auto", "b16", "q8_0", "f16"),
                    help="with the CPU kernel: the draft heads rounded to bfloat16 for AVX512-BF16 products (b16), "
                         "quantised to Q8_0, or their float16 values exactly; auto: b16 where the CPU has "

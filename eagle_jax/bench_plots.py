@@ -27,7 +27,8 @@ def _title(result: dict) -> str:
     s = result.get("settings", {})
     model = Path(str(s.get("model", ""))).name
     return (f"{model}, {s.get('max_new_tokens', '')} new tokens, greedy — "
-            f"{m.get('cpu', m.get('jax_backend', ''))} ({m.get('jax_backend', '')})")
+            f"{m.get('cpu', m.get('jax_backend', ''))} "
+            f"({', '.join(filter(None, (m.get('cpu_isa'), m.get('jax_backend'))))})")
 
 
 def _grouped_bars(ax, sets: dict, key: str, ylabel: str):

@@ -94,11 +94,12 @@ class Engine:
       layers: "unroll" (a compiled program per layer, each reading its own weights: the fastest on
         CPU), "scan" (the stacked checkpoint layout in one scanned layer: faster compiles, the
         layout sharded training uses) or "auto" (unroll on CPU, scan elsewhere). Same numbers.
-      matmul: "cpu_kernel" (the AVX-512 few-row matmul of `kernels/cpu_matmul.py`: a tree
-        verification costs little more than one token there), "xla", or "auto" (the kernel when
-        JAX runs on an AVX-512 CPU and it builds, else XLA). Float32 products only. With the
-        kernel, a GGUF model (an alias or a .gguf file) also keeps its Q4_1 / Q8_0 blocks, which
-        few-row products read instead of the float32 weights (same result; `models/quantized.py`).
+      matmul: "cpu_kernel" (the few-row matmul of `kernels/cpu_matmul.py`, AVX-512 or AVX2: a
+        tree verification costs little more than one token there), "xla", or "auto" (the kernel
+        when JAX runs on an x86-64 CPU with AVX-512 or AVX2 and it builds, else XLA). Float32
+        products only. With the kernel, a GGUF model (an alias or a .gguf file) also keeps its
+        Q4_1 / Q8_0 blocks, which few-row products read instead of the float32 weights (same
+        result; `models/quantized.py`).
       draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "b16"
         (the head rounded to bfloat16, multiplied by AVX512-BF16 dot instructions: the fastest
         drafting where the CPU has them), "q8_0" (the head quantised to Q8_0), "f16" (a float16

@@ -64,6 +64,7 @@ def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
                        "--max-new-tokens", "5", "--methods", "vanilla", "--json", "--markdown", str(md)]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert set(out) >= {"methods", "machine"} and out["methods"]["vanilla"]["prompts"] == 2
+    assert out["machine"]["cpu_isa"] in (None, "avx512", "avx2") and "cpu_family_model" in out["machine"]
     assert {"tokens_per_s", "tau", "new_tokens", "seconds"} <= set(out["methods"]["vanilla"])
     assert "| vanilla |" in md.read_text()
 
@@ -268,10 +269,21 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     budget, tune = resolve_budget("m", "eagle3", "default", "auto")  # nothing saved yet: tune into the cache
     assert budget.total_tokens == 24 and tune is not None and str(tune).startswith(str(tmp_path))
     assert resolve_budget("m", "vanilla", "default", "auto") == (None, None)
-    # the packaged CPU budget of the default drafter applies when this machine has none of its own
-    packaged = load_budget(Path(eagle_jax.__file__).parent / "assets" / "budgets" /
-                           "smollm2-135m-instruct.eagle3.default.cpu.json", "eagle3")
-    assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", None)[0] == packaged
+    # the packaged CPU budget of the default drafter applies when this machine has none of its own:
+    # the one tuned on an AVX2 CPU where the matmul kernel is the AVX2 build
+    from eagle_jax.kernels import cpu_matmul
+
+    budgets = Path(eagle_jax.__file__).parent / "assets" / "budgets"
+    for isa, name in [("avx512", "smollm2-135m-instruct.eagle3.default.cpu.json"),
+                      ("avx2", "smollm2-135m-instruct.eagle3.default.cpu-avx2.json")]:
+        monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda isa=isa: isa)
+        packaged = load_budget(budgets / name, "eagle3")
+        assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", None)[0] == packaged
+    assert load_budget(budgets / "smollm2-135m-instruct.eagle3.default.cpu-avx2.json") != \
+        load_budget(budgets / "smollm2-135m-instruct.eagle3.default.cpu.json")
+    monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda: "avx2")  # eagle2 has no AVX2 file: the CPU one
+    assert resolve_budget("smollm2-135m-instruct", "eagle2", "default", None)[0] == \
+        load_budget(budgets / "smollm2-135m-instruct.eagle2.default.cpu.json", "eagle2")
     assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", 24)[0].total_tokens == 24
     assert resolve_budget("smollm2-135m-instruct", "eagle3", "other-head", None)[0].total_tokens == 24
     (tmp_path / "bad.json").write_text('{"budget": {"total_tokens": 8}}')

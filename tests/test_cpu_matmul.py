@@ -1,4 +1,4 @@
-"""The AVX-512 few-row matmul (kernels/cpu_matmul), the few-query cache attention beside it
+"""The few-row matmul (kernels/cpu_matmul, AVX-512 or AVX2), the few-query cache attention beside it
 (kernels/cpu_attention) and the GGUF blocks the matmul reads (models/quantized):
 products equal float64 references to float32 rounding; each row's result does not depend on the
 other rows of the call; the quantized products equal the float32 kernel on the dequantised
@@ -6,6 +6,10 @@ weights bit for bit; a model decoding through them stays lossless (speculative g
 greedy) and agrees with XLA's float32 matmuls."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +69,7 @@ def test_batched_leading_dims_and_fallback_above_max_rows():
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 9, 12, 13, 16])  # 9-12: one pass; 13-16: two
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 9, 10, 11, 12, 13, 16])  # one pass up to 12 (AVX-512), 10 (AVX2)
 def test_quantized_equals_f32_kernel_on_dequantized_bit_for_bit(kind, m):
     rng = np.random.default_rng(m)
     n, k = 45, 256  # 45 rows: a chunk ends inside a 4-row group
@@ -342,6 +346,47 @@ def test_model_through_blocks_matches_xla_and_stays_lossless(tiny_gguf):
     for r, n in enumerate(lens):
         assert list(spec_k[r, n:n + 24]) == list(plain_k[r, n:n + 24])  # lossless under the kernel
         assert list(plain_k[r, n:n + 24]) == list(plain_x[r, n:n + 24])  # and the same text as XLA's f32
+
+
+def test_instruction_set_follows_the_cpu_flags_and_the_override(monkeypatch):
+    """AVX-512 where the CPU has it, else AVX2 (with FMA and F16C); EAGLE_JAX_CPU_KERNEL_ISA=avx2
+    picks AVX2 on an AVX-512 CPU; a CPU with neither, or a wrong override, is a clear error (which
+    leaves XLA's matmuls in use)."""
+    avx2, avx512 = {"avx2", "fma", "f16c"}, {"avx2", "fma", "f16c", "avx512f", "avx512dq"}
+    monkeypatch.delenv("EAGLE_JAX_CPU_KERNEL_ISA", raising=False)
+    for flags, want in [(avx512, "avx512"), (avx2, "avx2")]:
+        monkeypatch.setattr(cm, "_cpu_flags", lambda f=flags: f)
+        assert cm.cpu_isa() == want
+    monkeypatch.setattr(cm, "_cpu_flags", lambda: {"avx2", "fma"})  # no F16C
+    with pytest.raises(RuntimeError, match="neither AVX-512"):
+        cm.cpu_isa()
+    monkeypatch.setattr(cm, "_cpu_flags", lambda: avx512)
+    monkeypatch.setenv("EAGLE_JAX_CPU_KERNEL_ISA", "avx2")
+    assert cm.cpu_isa() == "avx2"
+    monkeypatch.setenv("EAGLE_JAX_CPU_KERNEL_ISA", "neon")
+    with pytest.raises(RuntimeError, match="must be one of"):
+        cm.cpu_isa()
+    monkeypatch.setattr(cm, "_cpu_flags", lambda: avx2)
+    monkeypatch.setenv("EAGLE_JAX_CPU_KERNEL_ISA", "avx512")
+    with pytest.raises(RuntimeError, match="no AVX512"):
+        cm.cpu_isa()
+    assert cm.isa() in cm.ISAS  # what the other tests here ran on
+
+
+@pytest.mark.skipif(cm.isa() != "avx512", reason="the kernels built here are the AVX2 ones already")
+def test_avx2_kernels_pass_the_same_checks_on_an_avx512_cpu():
+    """The AVX2 build (EAGLE_JAX_CPU_KERNEL_ISA=avx2), run where AVX-512 is the default: exact
+    products, row independence, quantized == float32 bit for bit, attention, lossless decoding."""
+    env = {**os.environ, "EAGLE_JAX_CPU_KERNEL_ISA": "avx2"}
+    here = Path(__file__).parent
+    which = subprocess.run([sys.executable, "-c", "from eagle_jax.kernels import cpu_matmul as cm; print(cm.isa())"],
+                           env=env, capture_output=True, text=True, cwd=here)
+    assert which.stdout.strip() == "avx2", which.stdout + which.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", Path(__file__).name, "-k",
+                          "matches_float64 or independent or bit_for_bit or attention_matches or lossless"],
+                         env=env, capture_output=True, text=True, cwd=here)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and " failed" not in res.stdout
 
 
 def test_matmul_microbenchmark_runs_all_three_paths(capsys):

@@ -1,4 +1,4 @@
-// Few-query attention over the stacked KV cache, in place (an XLA FFI custom call, AVX-512).
+// Few-query attention over the stacked KV cache, in place (an XLA FFI custom call, AVX-512 or AVX2).
 //
 // A decoding step or a tree verification attends T <= 16 queries per row to one layer of the
 // cache [L, B, S, Hkv, D]. XLA:CPU first copies that layer's keys and values into [B, Hkv, S, D]
@@ -29,6 +29,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
+// ---------------------------------------------------------------- AVX-512: 16-float vectors
 // exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2].
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
@@ -45,6 +47,112 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// q · k over D floats.
+inline float dot_row(const float* qv, const float* ks, int64_t D) {
+  __m512 a = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(ks + d), a);
+  float dot = _mm512_reduce_add_ps(a);
+  for (; d < D; ++d) dot += qv[d] * ks[d];
+  return dot;
+}
+
+// max of ps[0, sp), sp % 16 == 0.
+inline float row_max(const float* ps, int64_t sp) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t s = 0; s < sp; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(ps + s));
+  return _mm512_reduce_max_ps(mx);
+}
+
+// ps[s] = exp(ps[s] - mval) where ps[s] > -inf, else 0 (sp % 16 == 0); returns their sum.
+inline float exp_row(float* ps, int64_t sp, float mval) {
+  const __m512 mv = _mm512_set1_ps(mval);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t s = 0; s < sp; s += 16) {
+    const __m512 x = _mm512_loadu_ps(ps + s);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv)));
+    _mm512_storeu_ps(ps + s, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// a[0, D) += w * vs[0, D).
+inline void axpy(float w, const float* vs, float* a, int64_t D) {
+  const __m512 wv = _mm512_set1_ps(w);
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    _mm512_storeu_ps(a + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(vs + d), _mm512_loadu_ps(a + d)));
+  for (; d < D; ++d) a[d] += w * vs[d];
+}
+#else
+// ---------------------------------------------------------------- AVX2 + FMA: 8-float vectors
+// The same exp (Cephes' polynomial); 2^n built in the exponent field (n >= -126: a normal number).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot_row(const float* qv, const float* ks, int64_t D) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(ks + d), a);
+  float dot = hsum256(a);
+  for (; d < D; ++d) dot += qv[d] * ks[d];
+  return dot;
+}
+
+inline float row_max(const float* ps, int64_t sp) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t s = 0; s < sp; s += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(ps + s));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float exp_row(float* ps, int64_t sp, float mval) {
+  const __m256 mv = _mm256_set1_ps(mval);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t s = 0; s < sp; s += 8) {
+    const __m256 x = _mm256_loadu_ps(ps + s);
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(x, mv)));
+    _mm256_storeu_ps(ps + s, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum256(sum);
+}
+
+inline void axpy(float w, const float* vs, float* a, int64_t D) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + d), _mm256_loadu_ps(a + d)));
+  for (; d < D; ++d) a[d] += w * vs[d];
+}
+#endif
 
 struct Job {
   const float *q, *k, *v;
@@ -77,36 +185,19 @@ struct Job {
       for (int64_t s = 0; s < sp; ++s) ps[s] = -INFINITY;
       for (int64_t s = 0; s < s_end; ++s) {
         if (!m[t * S + s]) continue;
-        const float* ks = kb + s * row;
-        __m512 a = _mm512_setzero_ps();
-        int64_t d = 0;
-        for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(ks + d), a);
-        float dot = _mm512_reduce_add_ps(a);
-        for (; d < D; ++d) dot += qv[d] * ks[d];
-        ps[s] = dot * scale;
+        ps[s] = dot_row(qv, kb + s * row, D) * scale;
       }
     }
     // softmax per query (unnormalised; divided at the end)
     std::vector<float> denom(Q, 0.0f);
     for (int64_t qi = 0; qi < Q; ++qi) {
       float* ps = p.data() + qi * sp;
-      __m512 mx = _mm512_set1_ps(-INFINITY);
-      for (int64_t s = 0; s < sp; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(ps + s));
-      const float mval = _mm512_reduce_max_ps(mx);
+      const float mval = row_max(ps, sp);
       if (mval == -INFINITY) {  // no visible key: zeros
         for (int64_t s = 0; s < sp; ++s) ps[s] = 0.0f;
         continue;
       }
-      const __m512 mv = _mm512_set1_ps(mval);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t s = 0; s < sp; s += 16) {
-        const __m512 x = _mm512_loadu_ps(ps + s);
-        const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv)));
-        _mm512_storeu_ps(ps + s, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      denom[qi] = _mm512_reduce_add_ps(sum);
+      denom[qi] = exp_row(ps, sp, mval);
     }
     // p @ v: each value row is read once for every query
     for (int64_t s = 0; s < s_end; ++s) {
@@ -114,12 +205,7 @@ struct Job {
       for (int64_t qi = 0; qi < Q; ++qi) {
         const float w = p[qi * sp + s];
         if (w == 0.0f) continue;
-        float* a = acc.data() + qi * D;
-        const __m512 wv = _mm512_set1_ps(w);
-        int64_t d = 0;
-        for (; d + 16 <= D; d += 16)
-          _mm512_storeu_ps(a + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(vs + d), _mm512_loadu_ps(a + d)));
-        for (; d < D; ++d) a[d] += w * vs[d];
+        axpy(w, vs, acc.data() + qi * D, D);
       }
     }
     for (int64_t qi = 0; qi < Q; ++qi) {

@@ -1,4 +1,4 @@
-"""Few-query attention that reads the stacked KV cache in place (AVX-512 custom call).
+"""Few-query attention that reads the stacked KV cache in place (AVX-512 or AVX2 custom call).
 
 `cache_attention(q, k_all, v_all, layer, mask)` is `dense_attention(q, k_all[layer], v_all[layer],
 mask)` for decoding steps and tree verifications (at most `MAX_QUERIES` queries a row) on a CPU

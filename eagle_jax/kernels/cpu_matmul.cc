@@ -1,4 +1,6 @@
-// Few-row float32 matmuls for decoding on x86-64 CPUs with AVX-512 (an XLA FFI custom call).
+// Few-row float32 matmuls for decoding on x86-64 CPUs with AVX-512 or AVX2 (an XLA FFI custom call).
+// The block kernels are in cpu_matmul_avx512.h and cpu_matmul_avx2.h (one is compiled, by the
+// compiler's target); the dispatch over rows and threads below is shared.
 //
 // Decoding multiplies a handful of rows (one token, or a draft tree of a few tokens) by every
 // weight matrix of the model. XLA:CPU's GEMM packs the weight matrix on every call, so a 4-row
@@ -35,270 +37,40 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// ---------------------------------------------------------------- kn: y = x @ w, w [K, N]
-// y[t, n0:n1] lives in L1; 4 (or 2) rows of w are streamed at a time, each contiguous.
-template <int T, int KB>
-void kn_block(const float* x, const float* w, const float*, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t width = n1 - n0;
-  const int64_t vec_end = n0 + (width / 16) * 16;
-  const __mmask16 tail_mask = (__mmask16)((1u << (width % 16)) - 1u);
-  for (int64_t t = 0; t < T; ++t) std::fill(y + t * N + n0, y + t * N + n1, 0.0f);
-  int64_t k = 0;
-  for (; k + KB <= K; k += KB) {
-    __m512 bx[T][KB];
-    for (int t = 0; t < T; ++t)
-      for (int j = 0; j < KB; ++j) bx[t][j] = _mm512_set1_ps(x[t * K + k + j]);
-    const float* wk = w + k * N;
-    int64_t n = n0;
-    for (; n < vec_end; n += 16) {
-      __m512 wv[KB];
-      for (int j = 0; j < KB; ++j) wv[j] = _mm512_loadu_ps(wk + j * N + n);
-      for (int t = 0; t < T; ++t) {
-        __m512 acc = _mm512_loadu_ps(y + t * N + n);
-        for (int j = 0; j < KB; ++j) acc = _mm512_fmadd_ps(bx[t][j], wv[j], acc);
-        _mm512_storeu_ps(y + t * N + n, acc);
-      }
-    }
-    if (n < n1) {
-      __m512 wv[KB];
-      for (int j = 0; j < KB; ++j) wv[j] = _mm512_maskz_loadu_ps(tail_mask, wk + j * N + n);
-      for (int t = 0; t < T; ++t) {
-        __m512 acc = _mm512_maskz_loadu_ps(tail_mask, y + t * N + n);
-        for (int j = 0; j < KB; ++j) acc = _mm512_fmadd_ps(bx[t][j], wv[j], acc);
-        _mm512_mask_storeu_ps(y + t * N + n, tail_mask, acc);
-      }
-    }
-  }
-  for (; k < K; ++k)  // K not a multiple of KB: one row at a time, same order of sums
-    for (int t = 0; t < T; ++t) {
-      const float xv = x[t * K + k];
-      for (int64_t n = n0; n < n1; ++n) y[t * N + n] = std::fma(xv, w[k * N + n], y[t * N + n]);
-    }
-}
-
-// ---------------------------------------------------------------- nk: y = x @ w^T, w [N, K]
-// R rows of w at a time against all T rows of x; 16-lane partial sums reduced at the end.
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-template <int T, int R>
-void nk_block(const float* x, const float* w, const float*, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t kvec = (K / 16) * 16;
-  const __mmask16 tail_mask = (__mmask16)((1u << (K % 16)) - 1u);
-  int64_t n = n0;
-  for (; n < n1; n += R) {
-    const int rows = (int)std::min<int64_t>(R, n1 - n);
-    __m512 acc[T][R];
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-    const float* wn = w + n * K;
-    if (rows == R) {
-      for (int64_t k = 0; k < kvec; k += 16) {
-        __m512 wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(wn + r * K + k);
-        for (int t = 0; t < T; ++t) {
-          const __m512 xv = _mm512_loadu_ps(x + t * K + k);
-          for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
-        }
-      }
-      if (kvec < K) {
-        __m512 wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail_mask, wn + r * K + kvec);
-        for (int t = 0; t < T; ++t) {
-          const __m512 xv = _mm512_maskz_loadu_ps(tail_mask, x + t * K + kvec);
-          for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
-        }
-      }
-    } else {  // the last few rows of a chunk: same sums, one row at a time
-      for (int r = 0; r < rows; ++r) {
-        for (int64_t k = 0; k < kvec; k += 16) {
-          const __m512 wv = _mm512_loadu_ps(wn + r * K + k);
-          for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + k), wv, acc[t][r]);
-        }
-        if (kvec < K) {
-          const __m512 wv = _mm512_maskz_loadu_ps(tail_mask, wn + r * K + kvec);
-          for (int t = 0; t < T; ++t)
-            acc[t][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, x + t * K + kvec), wv, acc[t][r]);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(acc[t][r]);
-  }
-}
-
-// ---------------------------------------------------------------- float16 nk: y = x @ w^T, w [N, K] float16
-// The float32 nk kernel on weights stored as float16 (a draft head's checkpoint): each 16-weight
-// vector is widened exactly (vcvtph2ps) and summed in the same lane order, so the result is bit
-// for bit the float32 kernel's on the widened weights, from half the bytes. K % 16 == 0.
-template <int T, int R>
-void h16_block(const float* x, const float* w_as_float, const float*, float* y, int64_t K, int64_t N, int64_t n0,
-               int64_t n1) {
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(w_as_float);  // BlockFn's signature; really halves
-  for (int64_t n = n0; n < n1; n += R) {
-    const int rows = (int)std::min<int64_t>(R, n1 - n);
-    __m512 acc[T][R];
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-    const uint16_t* wn = w + n * K;
-    for (int64_t k = 0; k < K; k += 16) {
-      for (int r = 0; r < R; ++r) {
-        if (r >= rows) break;
-        const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + r * K + k)));
-        for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + k), wv, acc[t][r]);
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(acc[t][r]);
-  }
-}
-
-// ---------------------------------------------------------------- quantized nk: GGUF Q4_1 / Q8_0 rows
-// w is [N, K/32 blocks] in ggml's block layout. Each 32-weight block is dequantised in registers
-// to exactly the float32 values gguf-py's numpy dequantiser gives (Q4_1: (d * q) + m, Q8_0: q * d;
-// see q41_block) and then multiplied like the float32 nk kernel (lane l sums k = l, l + 16, ... in order), so the
-// result is the float32 product with the dequantised matrix while reading 5 (Q4_1) or 8.5 (Q8_0)
-// bits per weight instead of 32.
-constexpr int64_t kQ41Bytes = 20;  // f16 d, f16 m, 16 bytes of nibbles (weights j and j + 16)
-constexpr int64_t kQ80Bytes = 34;  // f16 d, 32 int8
-
-// Q4_1: w = d * q + m; Q8_0: w = q * d. The scales come as float32 (converted from the blocks'
-// float16 once, at load), read with embedded broadcasts. d times a 4- or 8-bit q is exact in
-// float32, so the fused multiply-add rounds exactly as gguf's numpy `(d * q) + m` does: the
-// kernel multiplies by the same float32 weights as the converted checkpoint holds.
-inline void q41_block(const uint8_t* blk, const float* sc, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(sc[0]), m = _mm512_set1_ps(sc[1]);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask))), m);
-  hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask))), m);
-}
-
-inline void q80_block(const uint8_t* blk, const float* sc, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(sc[0]);
-  lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))), d);
-  hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))), d);
-}
-
-// T rows of x (up to 12) against R rows of w per pass: each block is dequantised once per call
-// (the T x R accumulators stay in registers: 12 x 1, 8 x 2, 4 x 4).
-template <bool Q4, int T>
-void q_block(const float* x, const float* w_as_float, const float* scales, float* y, int64_t K, int64_t N,
-             int64_t n0, int64_t n1) {
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);  // BlockFn's signature; really bytes
-  constexpr int R = T <= 4 ? 4 : T <= 8 ? 2 : 1;
-  constexpr int64_t B = Q4 ? kQ41Bytes : kQ80Bytes;
-  constexpr int64_t S = Q4 ? 2 : 1;  // float32 scales per block: (d, m) or d
-  const int64_t nb = K / 32, row_bytes = nb * B;
-  for (int64_t n = n0; n < n1; n += R) {
-    const int rows = (int)std::min<int64_t>(R, n1 - n);
-    __m512 acc[T][R];
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-    const uint8_t* wn = w + n * row_bytes;
-    const float* sn = scales + n * nb * S;
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int r = 0; r < R; ++r) {
-        if (r >= rows) break;
-        __m512 lo, hi;
-        if (Q4) q41_block(wn + r * row_bytes + b * B, sn + (r * nb + b) * S, lo, hi);
-        else q80_block(wn + r * row_bytes + b * B, sn + (r * nb + b) * S, lo, hi);
-        for (int t = 0; t < T; ++t) {
-          acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + 32 * b), lo, acc[t][r]);
-          acc[t][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * K + 32 * b + 16), hi, acc[t][r]);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(acc[t][r]);
-  }
-}
-
-// ---------------------------------------------------------------- bfloat16 tiles (draft heads)
-// w packed as uint32 [ceil(N/64), K/2, 64]: word (tile, k2, j) holds bf16(w[2 k2, n]) in its low and
-// bf16(w[2 k2 + 1, n]) in its high half, n = 64 tile + j (zeros past N). A tile's K/2 x 256 bytes
-// are contiguous, and each output lane accumulates its own column, so no horizontal sums. The T
-// rows of x are rounded to bfloat16 pairs first. Drafting only: the sums are not float32's.
-constexpr int64_t kB16Tile = 64;
+// Shared by both instruction sets' kernels and the dispatch below.
+constexpr int64_t kQ41Bytes = 20;  // GGUF Q4_1 block: f16 d, f16 m, 16 bytes of nibbles (weights j and j + 16)
+constexpr int64_t kQ80Bytes = 34;  // GGUF Q8_0 block: f16 d, 32 int8
+constexpr int64_t kB16Tile = 64;   // output columns per packed bfloat16 tile
 constexpr int64_t kB16MaxK = 16384;
-#ifdef __AVX512BF16__
-constexpr bool kHaveB16 = true;
-template <int T>
-void b16_block(const float* x, const float* w_as_float, const float*, float* y, int64_t K, int64_t N, int64_t n0,
-               int64_t n1) {
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(w_as_float);  // BlockFn's signature; really pairs
-  const int64_t K2 = K / 2;
-  thread_local uint32_t xp[T * kB16MaxK / 2];
-  for (int t = 0; t < T; ++t) {
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + t * K + k + 16), _mm512_loadu_ps(x + t * K + k));
-      _mm512_storeu_si512(xp + t * K2 + k / 2, (__m512i)v);
-    }
-    if (k < K) {  // K % 32 (K is even): the last pairs, masked
-      const int64_t left = K - k;
-      const __mmask16 lo = (__mmask16)((1u << std::min<int64_t>(16, left)) - 1u);
-      const __mmask16 hi = (__mmask16)(left > 16 ? (1u << (left - 16)) - 1u : 0u);
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + t * K + k + 16),
-                                             _mm512_maskz_loadu_ps(lo, x + t * K + k));
-      _mm512_mask_storeu_epi32(xp + t * K2 + k / 2, (__mmask16)((1u << (left / 2)) - 1u), (__m512i)v);
-    }
-  }
-  constexpr int A = T <= 2 ? 2 : 1;  // few rows: two accumulator sets hide the instruction's latency
-  constexpr int J = kB16Tile / 16;    // a tile's 16-column vectors: T x J accumulators (T <= 4) in registers
-  for (int64_t n = n0; n < n1; n += kB16Tile) {
-    const uint32_t* wt = w + (n / kB16Tile) * K2 * kB16Tile;
-    __m512 acc[A][T][J];
-    for (int a = 0; a < A; ++a)
-      for (int t = 0; t < T; ++t)
-        for (int j = 0; j < J; ++j) acc[a][t][j] = _mm512_setzero_ps();
-    for (int64_t k2 = 0; k2 < K2; ++k2) {
-      const int a = A == 2 ? (int)(k2 & 1) : 0;
-      const uint32_t* wk = wt + k2 * kB16Tile;
-      __m512bh wv[J];
-      for (int j = 0; j < J; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 16 * j);
-      for (int t = 0; t < T; ++t) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[t * K2 + k2]);
-        for (int j = 0; j < J; ++j) acc[a][t][j] = _mm512_dpbf16_ps(acc[a][t][j], xv, wv[j]);
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int j = 0; j < J; ++j) {
-        const int64_t c = n + 16 * j;
-        if (c >= n1) break;
-        __m512 v = acc[0][t][j];
-        if (A == 2) v = _mm512_add_ps(v, acc[A - 1][t][j]);
-        const __mmask16 m = n1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - c)) - 1u);
-        _mm512_mask_storeu_ps(y + t * N + c, m, v);
-      }
-  }
-}
+
+// The block kernels: kn_block, nk_block, h16_block, q_block, b16_block, kRowsW, kQOnePass, kHaveB16.
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
+#include "cpu_matmul_avx512.h"
 #else
-constexpr bool kHaveB16 = false;
-template <int T>
-void b16_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+#include "cpu_matmul_avx2.h"
 #endif
 
 // ---------------------------------------------------------------- dispatch over rows and threads
 using BlockFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 
-// The <T rows of x, R rows of w a pass> instance of a float block kernel for t rows: R = 4 up to
-// 4 rows of x, else 2 (the T x R accumulators stay in registers).
-#define EAGLE_ROWS_FN(NAME, BLOCK)                                        \
+// The <T rows of x, R rows of w a pass> instance of a float block kernel for t rows, R = RFN(t)
+// (the ISA header's choice: the accumulators stay in registers).
+#define EAGLE_ROWS_FN(NAME, BLOCK, RFN)                                   \
   BlockFn NAME(int t) {                                                   \
     switch (t) {                                                          \
-      case 1: return BLOCK<1, 4>;                                         \
-      case 2: return BLOCK<2, 4>;                                         \
-      case 3: return BLOCK<3, 4>;                                         \
-      case 4: return BLOCK<4, 4>;                                         \
-      case 5: return BLOCK<5, 2>;                                         \
-      case 6: return BLOCK<6, 2>;                                         \
-      case 7: return BLOCK<7, 2>;                                         \
-      default: return BLOCK<8, 2>;                                        \
+      case 1: return BLOCK<1, RFN(1)>;                                    \
+      case 2: return BLOCK<2, RFN(2)>;                                    \
+      case 3: return BLOCK<3, RFN(3)>;                                    \
+      case 4: return BLOCK<4, RFN(4)>;                                    \
+      case 5: return BLOCK<5, RFN(5)>;                                    \
+      case 6: return BLOCK<6, RFN(6)>;                                    \
+      case 7: return BLOCK<7, RFN(7)>;                                    \
+      default: return BLOCK<8, RFN(8)>;                                   \
     }                                                                     \
   }
-EAGLE_ROWS_FN(kn_fn, kn_block)
-EAGLE_ROWS_FN(nk_fn, nk_block)
-EAGLE_ROWS_FN(h16_fn, h16_block)
+EAGLE_ROWS_FN(kn_fn, kn_block, kKnRowsW)
+EAGLE_ROWS_FN(nk_fn, nk_block, kRowsW)
+EAGLE_ROWS_FN(h16_fn, h16_block, kRowsW)
 
 BlockFn b16_fn(int t) {  // at most 4 rows a pass (Job::run_chunk): the T x 4 accumulators fit registers
   switch (t) {
@@ -309,13 +81,6 @@ BlockFn b16_fn(int t) {  // at most 4 rows a pass (Job::run_chunk): the T x 4 ac
   }
 }
 
-// Quantized rows: up to 12 rows of x in one pass over the weights (kQOnePass; R = 1 row of w at a
-// time above 8), so a verification pass of 9 to 12 tree tokens decodes each block once. Above 12
-// the one-row-of-w passes run out of load bandwidth (every block reloads all T rows of x), and two
-// balanced passes of at most 8 rows (R = 2) are faster: measured for 60 [T, 576] x [576, 1536]
-// Q4_1 products on the EPYC VM, 9 rows 7.4 ms in one pass against 8.9 as 8 + 1, 12 rows 9.4
-// against 9.9 as 8 + 4, 16 rows 16.2 in one pass against 12.4 as 8 + 8.
-constexpr int64_t kQOnePass = 12;
 template <bool Q4>
 BlockFn q_fn(int t) {
   switch (t) {

@@ -1,13 +1,17 @@
-"""Few-row float32 matmuls on x86-64 CPUs: an AVX-512 XLA custom call, built on first use.
+"""Few-row float32 matmuls on x86-64 CPUs: an AVX-512 or AVX2 XLA custom call, built on first use.
 
 XLA:CPU's GEMM repacks the weight matrix on every call, so on a CPU a 4-token tree verification
 costs far more than a 1-token decoding step although both read the same weights. `cpu_matmul.cc`
 streams each weight matrix once for up to 8 rows at a time (see its header). This module compiles
 it with the system's C++ compiler into a per-user cache (keyed by the source, the compiler flags
-and jaxlib's version), registers it with `jax.ffi`, and exposes `matmul`.
+and jaxlib's version), registers it with `jax.ffi`, and exposes `matmul`. The block kernels come in
+two instruction sets, chosen by the compiler's target (`-march=native`): AVX-512F/DQ
+(`cpu_matmul_avx512.h`, 16-float vectors) or AVX2 with FMA and F16C (`cpu_matmul_avx2.h`, 8-float
+vectors; AMD Zen 1-3, Intel Haswell to Comet Lake). `EAGLE_JAX_CPU_KERNEL_ISA=avx2` builds the AVX2
+kernels on an AVX-512 CPU too (to test them there); `isa()` says which was built.
 
-`available()` says whether the kernel can run here (x86-64 with AVX-512F, a C++ compiler, a
-successful build); `matmul` is only called by the decoder when the model config asks for
+`available()` says whether the kernel can run here (x86-64 with AVX-512F/DQ or AVX2/FMA/F16C, a
+C++ compiler, a successful build); `matmul` is only called by the decoder when the model config asks for
 `matmul_impl="cpu_kernel"`, which `resolve_matmul_impl("auto")` picks on such a CPU. The kernel
 has no gradient and no batching rule: it is an inference path (training keeps XLA's matmuls).
 """
@@ -33,6 +37,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _SOURCES = (Path(__file__).with_name("cpu_matmul.cc"), Path(__file__).with_name("cpu_attention.cc"))
+_HEADERS = (Path(__file__).with_name("cpu_matmul_avx512.h"), Path(__file__).with_name("cpu_matmul_avx2.h"))
+ISAS = ("avx512", "avx2")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",
             "q8_0": "eagle_jax_matmul_q8_0", "f16": "eagle_jax_matmul_f16", "b16": "eagle_jax_matmul_b16",
@@ -47,14 +53,33 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _cpu_has_avx512() -> bool:
+def _cpu_flags() -> set[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return set()
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512f" in flags and " avx512dq" in flags
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_isa() -> str:
+    """The kernels' instruction set for this CPU ("avx512" or "avx2"); raises when it has neither.
+    `EAGLE_JAX_CPU_KERNEL_ISA=avx2` picks AVX2 on an AVX-512 CPU."""
+    flags = _cpu_flags()
+    has = {"avx512": {"avx512f", "avx512dq"} <= flags, "avx2": {"avx2", "fma", "f16c"} <= flags}
+    want = os.environ.get("EAGLE_JAX_CPU_KERNEL_ISA", "").strip().lower()
+    if want:
+        if want not in ISAS:
+            raise RuntimeError(f"EAGLE_JAX_CPU_KERNEL_ISA must be one of {ISAS}, got {want!r}")
+        if not has[want]:
+            raise RuntimeError(f"EAGLE_JAX_CPU_KERNEL_ISA={want}, but this CPU has no {want.upper()}")
+        return want
+    for isa in ISAS:
+        if has[isa]:
+            return isa
+    raise RuntimeError("this CPU has neither AVX-512 (F, DQ) nor AVX2 with FMA and F16C")
 
 
 def _cache_dir() -> Path:
@@ -63,20 +88,21 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _build() -> Path:
+def _build(isa: str) -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    src = b"".join(p.read_bytes() for p in _SOURCES)
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + cxx.encode() + jaxlib.__version__.encode()
+    flags = _FLAGS + (("-DEAGLE_JAX_FORCE_AVX2",) if isa == "avx2" else ())
+    src = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    key = hashlib.sha256(src + " ".join(flags).encode() + cxx.encode() + jaxlib.__version__.encode()
                          + platform.node().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_matmul_{key}.so"
+    out = _cache_dir() / f"cpu_matmul_{isa}_{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *map(str, _SOURCES), "-o", str(tmp)]
-    log.info("building the CPU matmul kernel: %s", " ".join(cmd))
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, _SOURCES), "-o", str(tmp)]
+    log.info("building the CPU matmul kernel (%s): %s", isa, " ".join(cmd))
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"building {', '.join(p.name for p in _SOURCES)} failed:\n{res.stderr[-2000:]}")
@@ -91,21 +117,25 @@ def _load() -> bool:
         try:
             if os.environ.get("EAGLE_JAX_NO_CPU_KERNEL"):
                 raise RuntimeError("disabled by EAGLE_JAX_NO_CPU_KERNEL")
-            if not _cpu_has_avx512():
-                raise RuntimeError("this CPU has no AVX-512")
-            lib = ctypes.cdll.LoadLibrary(str(_build()))
+            isa = cpu_isa()
+            lib = ctypes.cdll.LoadLibrary(str(_build(isa)))
             for kind, name in _TARGETS.items():
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOLS[kind])), platform="cpu")
-            _state.update(ok=True, lib=lib, b16=bool(lib.eagle_jax_has_b16()))
-        except Exception as e:  # no compiler, no AVX-512, a failed build: XLA's matmuls are used
+            _state.update(ok=True, lib=lib, isa=isa, b16=bool(lib.eagle_jax_has_b16()))
+        except Exception as e:  # no compiler, no AVX-512/AVX2, a failed build: XLA's matmuls are used
             _state.update(ok=False, why=str(e))
             log.info("CPU matmul kernel unavailable: %s", e)
         return _state["ok"]
 
 
 def available() -> bool:
-    """True when the AVX-512 kernel is built and registered (builds it on the first call)."""
+    """True when the kernel is built and registered (builds it on the first call)."""
     return _load()
+
+
+def isa() -> str | None:
+    """The instruction set the kernel was built for ("avx512" or "avx2"), None when unavailable."""
+    return _state.get("isa") if _load() else None
 
 
 def unavailable_reason() -> str:

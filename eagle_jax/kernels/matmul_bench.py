@@ -2,7 +2,7 @@
 
 For each row count T, one jitted program multiplies [T, K] by `--matrices` different weight
 matrices of shape [K, N] (default: SmolLM2's 60 MLP gate/up matrices, 576 × 1536) and sums the
-results, through (a) XLA's dot on float32 weights, (b) the float32 AVX-512 kernel
+results, through (a) XLA's dot on float32 weights, (b) the float32 CPU kernel (AVX-512 or AVX2)
 (`cpu_matmul.matmul`) and (c) the kernel on Q4_1 blocks (`cpu_matmul.qmatmul` with precomputed
 scales; random weights quantised with gguf). Median milliseconds over `--reps` runs after a
 warm-up, all three measured side by side in one process; a Markdown table on stdout.

@@ -66,7 +66,7 @@ class ModelConfig:
     `dtype` is the parameter/activation dtype ("float32" is the fast one on CPU, "bfloat16" on
     TPU/GPU); attention softmax and RMSNorm always accumulate in float32. `attention_impl` picks the
     attention used for tree verification ("reference" jnp or "pallas"); `matmul_impl` the weight
-    products ("xla", or "cpu_kernel": the AVX-512 custom call of `kernels.cpu_matmul` for products
+    products ("xla", or "cpu_kernel": the AVX-512/AVX2 custom call of `kernels.cpu_matmul` for products
     of at most 16 rows, an inference path without gradients).
     """
 
@@ -102,7 +102,7 @@ class ModelConfig:
             raise UnsupportedConfigError(f"attention_impl must be 'reference' (jnp) or 'pallas' (the tree-attention "
                                          f"kernel), got {self.attention_impl!r}")
         if self.matmul_impl not in ("xla", "cpu_kernel"):
-            raise UnsupportedConfigError(f"matmul_impl must be 'xla' or 'cpu_kernel' (the AVX-512 few-row matmul), "
+            raise UnsupportedConfigError(f"matmul_impl must be 'xla' or 'cpu_kernel' (the few-row CPU matmul), "
                                          f"got {self.matmul_impl!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UnsupportedConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

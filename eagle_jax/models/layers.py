@@ -136,7 +136,7 @@ def rollout_attention(q_bthd, k0_bshd, v0_bshd, kd_btshd, vd_btshd, mask0_bts):
 
 class KernelDense(nn.Module):
     """`nn.Dense` (same parameters: kernel [in, out], optional bias) whose product goes through
-    `kernels.cpu_matmul` (few rows, float32, AVX-512); larger products fall back to XLA's dot.
+    `kernels.cpu_matmul` (few rows, float32, AVX-512 or AVX2); larger products fall back to XLA's dot.
     When the params also hold the layer's GGUF blocks ("q4_1" / "q8_0", `models/quantized.py`),
     few-row products read those instead: the same float32 result from a fifth of the bytes. A draft
     head's compact rows (`models.quantized.attach_draft_rows`: bfloat16 tiles "b16", Q8_0 blocks,

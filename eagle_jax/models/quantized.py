@@ -1,7 +1,7 @@
 """GGUF quantized blocks next to the float32 weights, for the CPU decoding kernel.
 
 A GGUF model is converted once into float32 Hugging Face weights (`gguf_loader.py`); those are
-what every path computes with. On an AVX-512 CPU (`ModelConfig.matmul_impl == "cpu_kernel"`)
+what every path computes with. On an x86-64 CPU (`ModelConfig.matmul_impl == "cpu_kernel"`)
 decoding is bound by reading the weights, so `attach_gguf_blocks` also keeps the file's own
 Q4_1 / Q8_0 blocks of every linear layer and of the embedding (uint8 rows, 5 and 8.5 bits a
 weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,

@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target attention: the jnp reference or the Pallas tree-attention kernel (Mosaic on TPU, "
                         "Triton on GPU, Pallas' interpreter elsewhere)")
     p.add_argument("--matmul", default="auto", choices=("auto", "cpu_kernel", "xla"),
-                   help="weight products: the AVX-512 few-row kernel (reads a GGUF model's Q4_1/Q8_0 blocks; same "
-                        "float32 results), XLA's dot, or auto (the kernel on an AVX-512 CPU where it builds)")
+                   help="weight products: the few-row CPU kernel (AVX-512 or AVX2; reads a GGUF model's Q4_1/Q8_0 "
+                        "blocks; same float32 results), XLA's dot, or auto (the kernel on an x86-64 CPU where it "
+                        "builds)")
     p.add_argument("--draft-rows", default="auto", choices=("auto", "b16", "q8_0", "f16"),
                    help="with the CPU kernel: the draft head rounded to bfloat16 for AVX512-BF16 products (b16), "
                         "quantised to Q8_0, or its float16 checkpoint values exactly; auto: b16 where the CPU has "

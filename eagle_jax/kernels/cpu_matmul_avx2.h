@@ -1,0 +1,219 @@
+// AVX2 block kernels of cpu_matmul.cc (with FMA and F16C), included there when the compiler does
+// not target AVX-512 (AMD Zen 1-3, Intel Haswell to Comet Lake), or when EAGLE_JAX_FORCE_AVX2 is
+// defined (to test this path on an AVX-512 machine).
+//
+// The same kernels as cpu_matmul_avx512.h on 8-float vectors and 16 vector registers: fewer rows
+// of w per pass, and a block of 32 quantized weights is dequantised into four vectors. Every
+// output is still summed in one fixed order whatever M is: nk, f16 and the quantized kinds add
+// the 8-float vectors of k alternately into two accumulators (lane l of the first sums k = l,
+// l + 16, l + 32, ..., of the second k = l + 8, l + 24, ...), then the two, then the lanes (so a
+// quantized product is bit for bit the float32 nk kernel's on the dequantised weights); kn adds
+// k in ascending order per column.
+#pragma once
+
+// Rows of w nk_block / h16_block take a pass for t rows of x (2 x T x R accumulators, R weight
+// vectors and one x vector within 16 registers), and rows of w kn_block streams at once (one
+// row a time would load and store y for every fused multiply-add).
+constexpr int kRowsW(int t) { return t == 1 ? 4 : t <= 3 ? 2 : 1; }
+constexpr int kKnRowsW(int t) { return t <= 2 ? 4 : 2; }
+
+// Up to 8 rows of x in one pass over quantized weights; more rows take balanced passes of at most
+// 8 (row_group). Beyond 8 rows the 2 x T accumulators no longer fit the registers: measured for
+// 60 [T, 576] x [576, 1536] Q4_1 products on the 2-core AMD EPYC (Zen 1) VM, 10 rows 31.8 ms in
+// one pass against about 25 as 5 + 5.
+constexpr int64_t kQOnePass = 8;
+
+// Lanes [0, r) of an 8-float vector, for masked loads and stores.
+inline __m256i lanes_below(int64_t r) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ---------------------------------------------------------------- kn: y = x @ w, w [K, N]
+// y[t, n0:n1] lives in L1; KB rows of w are streamed at a time, each contiguous.
+template <int T, int KB>
+void kn_block(const float* x, const float* w, const float*, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t width = n1 - n0;
+  const int64_t vec_end = n0 + (width / 8) * 8;
+  const __m256i tail = lanes_below(width % 8);
+  for (int64_t t = 0; t < T; ++t) std::fill(y + t * N + n0, y + t * N + n1, 0.0f);
+  int64_t k = 0;
+  for (; k + KB <= K; k += KB) {
+    __m256 bx[T][KB];
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < KB; ++j) bx[t][j] = _mm256_set1_ps(x[t * K + k + j]);
+    const float* wk = w + k * N;
+    int64_t n = n0;
+    for (; n < vec_end; n += 8) {
+      __m256 wv[KB];
+      for (int j = 0; j < KB; ++j) wv[j] = _mm256_loadu_ps(wk + j * N + n);
+      for (int t = 0; t < T; ++t) {
+        __m256 acc = _mm256_loadu_ps(y + t * N + n);
+        for (int j = 0; j < KB; ++j) acc = _mm256_fmadd_ps(bx[t][j], wv[j], acc);
+        _mm256_storeu_ps(y + t * N + n, acc);
+      }
+    }
+    if (n < n1) {
+      __m256 wv[KB];
+      for (int j = 0; j < KB; ++j) wv[j] = _mm256_maskload_ps(wk + j * N + n, tail);
+      for (int t = 0; t < T; ++t) {
+        __m256 acc = _mm256_maskload_ps(y + t * N + n, tail);
+        for (int j = 0; j < KB; ++j) acc = _mm256_fmadd_ps(bx[t][j], wv[j], acc);
+        _mm256_maskstore_ps(y + t * N + n, tail, acc);
+      }
+    }
+  }
+  for (; k < K; ++k)  // K not a multiple of KB: one row at a time, same order of sums
+    for (int t = 0; t < T; ++t) {
+      const float xv = x[t * K + k];
+      for (int64_t n = n0; n < n1; ++n) y[t * N + n] = std::fma(xv, w[k * N + n], y[t * N + n]);
+    }
+}
+
+// ---------------------------------------------------------------- nk: y = x @ w^T, w [N, K]
+// R rows of w at a time against all T rows of x. Two accumulators per output take the 8-float
+// vectors of k in turn (vector v into accumulator v % 2), so each row's sum is two dependency
+// chains, not one (a fused multiply-add's latency, not the load of the weights, bounded one-row
+// products); the two are added, then the 8 lanes, at the end.
+template <int T, int R>
+void nk_block(const float* x, const float* w, const float*, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t kvec = (K / 8) * 8;
+  const __m256i tail = lanes_below(K % 8);
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rows = (int)std::min<int64_t>(R, n1 - n);
+    const float* wr[R];  // rows past the chunk's end repeat its last row: computed, never stored
+    for (int r = 0; r < R; ++r) wr[r] = w + (n + std::min(r, rows - 1)) * K;
+    __m256 acc[2][T][R];
+    for (int j = 0; j < 2; ++j)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_setzero_ps();
+    auto step = [&](int64_t k, int j) {  // the full vector at k into accumulators j
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(wr[r] + k);
+      for (int t = 0; t < T; ++t) {
+        const __m256 xv = _mm256_loadu_ps(x + t * K + k);
+        for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_fmadd_ps(xv, wv[r], acc[j][t][r]);
+      }
+    };
+    int64_t k = 0;
+    for (; k + 16 <= kvec; k += 16) {
+      step(k, 0);
+      step(k + 8, 1);
+    }
+    int j = 0;
+    if (k < kvec) {
+      step(k, 0);
+      j = 1;
+    }
+    if (kvec < K) {  // the masked last vector, into the accumulators whose turn it is
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm256_maskload_ps(wr[r] + kvec, tail);
+      for (int t = 0; t < T; ++t) {
+        const __m256 xv = _mm256_maskload_ps(x + t * K + kvec, tail);
+        for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_fmadd_ps(xv, wv[r], acc[j][t][r]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(_mm256_add_ps(acc[0][t][r], acc[1][t][r]));
+  }
+}
+
+// ---------------------------------------------------------------- float16 nk: w [N, K] float16
+// The float32 nk kernel on weights widened exactly (vcvtph2ps, F16C), in the same order of sums
+// (K % 16 == 0: vectors alternate between the two accumulators).
+template <int T, int R>
+void h16_block(const float* x, const float* w_as_float, const float*, float* y, int64_t K, int64_t N, int64_t n0,
+               int64_t n1) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(w_as_float);  // BlockFn's signature; really halves
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rows = (int)std::min<int64_t>(R, n1 - n);
+    const uint16_t* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = w + (n + std::min(r, rows - 1)) * K;
+    __m256 acc[2][T][R];
+    for (int j = 0; j < 2; ++j)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      for (int j = 0; j < 2; ++j) {
+        __m256 wv[R];
+        for (int r = 0; r < R; ++r)
+          wv[r] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r] + k + 8 * j)));
+        for (int t = 0; t < T; ++t) {
+          const __m256 xv = _mm256_loadu_ps(x + t * K + k + 8 * j);
+          for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_fmadd_ps(xv, wv[r], acc[j][t][r]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(_mm256_add_ps(acc[0][t][r], acc[1][t][r]));
+  }
+}
+
+// ---------------------------------------------------------------- quantized nk: GGUF Q4_1 / Q8_0 rows
+// A block's 32 weights as four vectors (k = 0-7, 8-15, 16-23, 24-31), exactly gguf's numpy values:
+// Q4_1 (d * q) + m by one fused multiply-add (d * q is exact in float32), Q8_0 q * d.
+inline void q41_block(const uint8_t* blk, const float* sc, __m256 (&v)[4]) {
+  const __m256 d = _mm256_set1_ps(sc[0]), m = _mm256_set1_ps(sc[1]);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+  v[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+  v[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+  v[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+  v[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+}
+
+inline void q80_block(const uint8_t* blk, const float* sc, __m256 (&v)[4]) {
+  const __m256 d = _mm256_set1_ps(sc[0]);
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i)))), d);
+}
+
+// T rows of x (up to kQOnePass) against R rows of w per pass: each block is dequantised once per
+// call, and its four vectors go to the two accumulators in turn (as in nk_block, so a product is
+// the float32 nk kernel's on the dequantised weights, bit for bit). One row of w at a time streams
+// best (measured on the Zen 1 VM, 4 rows 10.8 ms against 15.6 for two rows of w a pass), except
+// for one row of x, where a second row of w gives more independent chains.
+template <bool Q4, int T>
+void q_block(const float* x, const float* w_as_float, const float* scales, float* y, int64_t K, int64_t N,
+             int64_t n0, int64_t n1) {
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);  // BlockFn's signature; really bytes
+  constexpr int R = T == 1 ? 2 : 1;
+  constexpr int64_t B = Q4 ? kQ41Bytes : kQ80Bytes;
+  constexpr int64_t S = Q4 ? 2 : 1;  // float32 scales per block: (d, m) or d
+  const int64_t nb = K / 32, row_bytes = nb * B;
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rows = (int)std::min<int64_t>(R, n1 - n);
+    __m256 acc[2][T][R];
+    for (int j = 0; j < 2; ++j)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_setzero_ps();
+    const uint8_t* wn = w + n * row_bytes;
+    const float* sn = scales + n * nb * S;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        __m256 v[4];
+        if (Q4) q41_block(wn + r * row_bytes + b * B, sn + (r * nb + b) * S, v);
+        else q80_block(wn + r * row_bytes + b * B, sn + (r * nb + b) * S, v);
+        for (int t = 0; t < T; ++t)
+          for (int i = 0; i < 4; ++i)
+            acc[i & 1][t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + t * K + 32 * b + 8 * i), v[i], acc[i & 1][t][r]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < rows; ++r) y[t * N + n + r] = hsum(_mm256_add_ps(acc[0][t][r], acc[1][t][r]));
+  }
+}
+
+// ---------------------------------------------------------------- bfloat16 tiles: AVX512-BF16 only
+constexpr bool kHaveB16 = false;
+template <int T>
+void b16_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
