@@ -65,8 +65,8 @@ def default_budget_path(model: str, method: str, drafter: str) -> Path:
 
 def packaged_budget_path(model: str, method: str, drafter: str) -> Path:
     """A budget tuned for this platform (cpu / gpu / tpu) that ships with eagle_jax, if any. On a CPU
-    whose matmul kernel is the AVX2 build, where a tree costs more a token than with AVX-512, one
-    tuned on an AVX2 CPU (`.cpu-avx2.json`) where it ships."""
+    for which the matmul kernel builds its AVX2 kernels (`cpu_matmul.cpu_isa()`), where each tree
+    token costs more than with AVX-512, one tuned on an AVX2 CPU (`.cpu-avx2.json`) where it ships."""
     base = Path(__file__).parent / "assets" / "budgets"
     stem = f"{Path(str(model)).name}.{method}.{Path(str(drafter)).name}"
     platform = jax.devices()[0].platform

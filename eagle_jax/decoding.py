@@ -106,6 +106,7 @@ def _start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eo
 
 def _step(params, cfg: ModelConfig, st: DecodeState, max_new_tokens, eos_ids, sp, key) -> DecodeState:
     b, s = st.tokens.shape
+    cfg = cfg.for_rows(b)  # any batch through the kernels, as tree verification (ModelConfig.for_rows)
     out = forward(params, cfg, st.last[:, None], (st.length - 1)[:, None], st.cache)
     tok = sample(jax.random.fold_in(key, st.step), lm_logits(params, cfg, out.hidden[:, 0]), sp)
     st = st._replace(step=st.step + 1, cache=out.cache.advance(jnp.ones((b,), jnp.int32)), calls=st.calls + 1)

@@ -147,6 +147,7 @@ def verify_tree(target_params, tcfg: ModelConfig, head: DraftHead, tcache: KVCac
     ancestor mask inside the tree): (decoder output with the head's features and the cache holding
     the tree's keys, float32 logits [B, N, V])."""
     depth_bn = node_depths(tree.parents_bn, tree.valid_bn, depth)
+    tcfg = tcfg.for_rows(tree.tokens_bn.size)  # every node through the decoding step's kernels
     out = forward(target_params, tcfg, tree.tokens_bn, tcache.length[:, None] + depth_bn, tcache,
                   block_mask_btt=ancestor_mask(tree.parents_bn, tree.valid_bn, depth),
                   capture=target_capture(tcfg, head))

@@ -6,6 +6,7 @@ weights bit for bit; a model decoding through them stays lossless (speculative g
 greedy) and agrees with XLA's float32 matmuls."""
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -341,11 +342,40 @@ def test_model_through_blocks_matches_xla_and_stays_lossless(tiny_gguf):
     plain_k, _ = _decode(qparams, kcfg, prompts, 24)
     head = init_head(DraftConfig.for_target("eagle3", kcfg, draft_vocab_size=cfg.vocab_size, target_layers=(0, 1, 2)),
                      jax.random.PRNGKey(5))
-    spec_k, _ = _decode(qparams, kcfg, prompts, 24, head=head,
-                        budget=TreeBudget("dynamic", total_tokens=6, depth=3, top_k=3))
-    for r, n in enumerate(lens):
-        assert list(spec_k[r, n:n + 24]) == list(plain_k[r, n:n + 24])  # lossless under the kernel
+    for budget in (TreeBudget("dynamic", total_tokens=6, depth=3, top_k=3),  # 2 rows x 6 tokens: 12 rows
+                   TreeBudget("dynamic", total_tokens=20, depth=4, top_k=5)):  # 40 rows: ModelConfig.for_rows
+        spec_k, _ = _decode(qparams, kcfg, prompts, 24, head=head, budget=budget)
+        for r, n in enumerate(lens):
+            assert list(spec_k[r, n:n + 24]) == list(plain_k[r, n:n + 24])  # lossless under the kernel
         assert list(plain_k[r, n:n + 24]) == list(plain_x[r, n:n + 24])  # and the same text as XLA's f32
+
+
+def test_a_long_block_gives_each_token_the_decoding_steps_logits_bit_for_bit(tiny_gguf):
+    """A verification block of more rows than the kernels take by default (16) runs with
+    `ModelConfig.for_rows`, so its products and attention go through the same kernels as one-token
+    decoding steps, and every token's logits are the step's, bit for bit (XLA's GEMM and the
+    reference attention, which took over above 16 rows, agree only to rounding)."""
+    from eagle_jax.models.decoder import KVCache
+
+    d, cfg, params = tiny_gguf
+    kcfg = dataclasses.replace(cfg, matmul_impl="cpu_kernel")
+    qparams = unstack_layers(attach_gguf_blocks(params, kcfg, d / "m.gguf"))
+    long_cfg = kcfg.for_rows(20)
+    assert long_cfg.kernel_rows == 20 and kcfg.for_rows(16) is kcfg and cfg.for_rows(20) is cfg
+    rng = np.random.default_rng(3)
+    prefix = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)), jnp.int32)
+    block = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 20)), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(c, toks, cache):
+        out = forward(qparams, c, toks, cache=cache)
+        return lm_logits(qparams, c, out.hidden), out.cache.advance(jnp.full((1,), toks.shape[1], jnp.int32))
+
+    _, cache = run(kcfg, prefix, KVCache.create(kcfg, 1, 40))
+    whole, _ = run(long_cfg, block, cache)
+    for i in range(20):
+        one, cache = run(kcfg, block[:, i:i + 1], cache)
+        np.testing.assert_array_equal(np.asarray(one)[0, 0], np.asarray(whole)[0, i], err_msg=f"token {i}")
 
 
 def test_instruction_set_follows_the_cpu_flags_and_the_override(monkeypatch):

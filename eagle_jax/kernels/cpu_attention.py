@@ -1,7 +1,8 @@
 """Few-query attention that reads the stacked KV cache in place (AVX-512 or AVX2 custom call).
 
 `cache_attention(q, k_all, v_all, layer, mask)` is `dense_attention(q, k_all[layer], v_all[layer],
-mask)` for decoding steps and tree verifications (at most `MAX_QUERIES` queries a row) on a CPU
+mask)` for decoding steps and tree verifications (any number of queries a row; the decoder sends
+blocks of at most `ModelConfig.kernel_rows`, `MAX_QUERIES` by default) on a CPU
 with the matmul kernel (`cpu_matmul.available()`; the same library, see `cpu_attention.cc`):
 XLA would first copy the layer's keys and values into its dot layout on every step. The decoder
 uses it when `ModelConfig.matmul_impl == "cpu_kernel"`; anything else (more queries, another
@@ -18,9 +19,10 @@ from . import cpu_matmul
 MAX_QUERIES = cpu_matmul.MAX_ROWS  # prefill chunks above this go through XLA's dots
 
 
-def usable(q_bthd, k_all) -> bool:
-    """Whether `cache_attention` takes these operands (else use the reference attention)."""
-    return (q_bthd.shape[1] <= MAX_QUERIES and q_bthd.dtype == jnp.float32 and k_all.dtype == jnp.float32
+def usable(q_bthd, k_all, max_queries: int = MAX_QUERIES) -> bool:
+    """Whether `cache_attention` takes these operands (else use the reference attention): float32, at
+    most `max_queries` queries a row (`ModelConfig.kernel_rows`), the kernels built."""
+    return (q_bthd.shape[1] <= max_queries and q_bthd.dtype == jnp.float32 and k_all.dtype == jnp.float32
             and cpu_matmul.available())
 
 

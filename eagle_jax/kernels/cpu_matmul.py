@@ -11,9 +11,10 @@ vectors; AMD Zen 1-3, Intel Haswell to Comet Lake). `EAGLE_JAX_CPU_KERNEL_ISA=av
 kernels on an AVX-512 CPU too (to test them there); `isa()` says which was built.
 
 `available()` says whether the kernel can run here (x86-64 with AVX-512F/DQ or AVX2/FMA/F16C, a
-C++ compiler, a successful build); `matmul` is only called by the decoder when the model config asks for
-`matmul_impl="cpu_kernel"`, which `resolve_matmul_impl("auto")` picks on such a CPU. The kernel
-has no gradient and no batching rule: it is an inference path (training keeps XLA's matmuls).
+C++ compiler, a successful build); `matmul` is only called by the decoder when the model config
+asks for `matmul_impl="cpu_kernel"`, which `resolve_matmul_impl("auto")` picks on such a CPU. The
+kernel has no gradient and no batching rule: it is an inference path (training keeps XLA's
+matmuls).
 """
 
 from __future__ import annotations
@@ -155,18 +156,20 @@ def resolve_matmul_impl(impl: str = "auto") -> str:
     return impl
 
 
-def matmul(x: jax.Array, w: jax.Array, layout: str = "kn") -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, layout: str = "kn", max_rows: int | None = None) -> jax.Array:
     """x[..., K] @ w ("kn": w is [K, N]; "nk": w is [N, K], i.e. x @ w.T) in float32 → [..., N].
 
-    Uses the custom call for float32 operands with at most `MAX_ROWS` rows when it is available,
-    XLA's dot otherwise (any dtype, any row count: the two agree to float32 rounding)."""
+    Uses the custom call for float32 operands with at most `max_rows` rows (default `MAX_ROWS`)
+    when it is available, XLA's dot otherwise (any dtype, any row count: the two agree to float32
+    rounding, not bit for bit)."""
     k = x.shape[-1]
     n = w.shape[1] if layout == "kn" else w.shape[0]
     if (w.shape[0] if layout == "kn" else w.shape[1]) != k:
         raise ValueError(f"matmul: x has K={k}, w {tuple(w.shape)} ({layout})")
     lead = x.shape[:-1]
     m = math.prod(lead)
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or m > MAX_ROWS or m == 0 or not available():
+    too_many = m > (max_rows or MAX_ROWS)
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or too_many or m == 0 or not available():
         spec = "...k,kn->...n" if layout == "kn" else "...k,nk->...n"
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     return _rows_call(layout, x, n, w)
@@ -266,7 +269,8 @@ def qmatmul(x: jax.Array, blocks: jax.Array, kind: str, scales: jax.Array | None
     """x[..., K] @ dequantize(blocks).T in float32 → [..., N]; `blocks` are GGUF rows (uint8
     [N, K/32 * bytes], `kind` "q4_1" or "q8_0"), `scales` their `block_scales` (computed here when
     not given; pass them precomputed for speed). Only through the custom call (check
-    `available()`); meant for at most `MAX_ROWS` rows (the decoder uses float32 weights above)."""
+    `available()`); any number of rows, meant for few (the decoder uses float32 weights above
+    `ModelConfig.kernel_rows`)."""
     if kind not in QUANT_BLOCK_BYTES:
         raise ValueError(f"qmatmul: kind must be one of {tuple(QUANT_BLOCK_BYTES)}, got {kind!r}")
     k = x.shape[-1]

@@ -67,7 +67,10 @@ class ModelConfig:
     TPU/GPU); attention softmax and RMSNorm always accumulate in float32. `attention_impl` picks the
     attention used for tree verification ("reference" jnp or "pallas"); `matmul_impl` the weight
     products ("xla", or "cpu_kernel": the AVX-512/AVX2 custom call of `kernels.cpu_matmul` for products
-    of at most 16 rows, an inference path without gradients).
+    of at most `kernel_rows` rows, and `kernels.cpu_attention` for blocks of at most `kernel_rows`
+    queries a row; an inference path without gradients). Larger products (prefill chunks) go
+    through XLA; decoding steps and tree verifications raise `kernel_rows` to their own row count
+    (`for_rows`), so a token's logits come from the same kernels whatever the batch or tree size.
     """
 
     family: str = "llama"
@@ -91,6 +94,7 @@ class ModelConfig:
     dtype: str = "float32"
     attention_impl: str = "reference"
     matmul_impl: str = "xla"  # "cpu_kernel": few-row products through kernels/cpu_matmul (inference on x86 CPUs)
+    kernel_rows: int = 16  # with "cpu_kernel": the most rows a product goes through the kernels with
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -104,6 +108,8 @@ class ModelConfig:
         if self.matmul_impl not in ("xla", "cpu_kernel"):
             raise UnsupportedConfigError(f"matmul_impl must be 'xla' or 'cpu_kernel' (the few-row CPU matmul), "
                                          f"got {self.matmul_impl!r}")
+        if self.kernel_rows < 1:
+            raise UnsupportedConfigError(f"kernel_rows must be at least 1, got {self.kernel_rows}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UnsupportedConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -120,6 +126,16 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def for_rows(self, rows: int) -> "ModelConfig":
+        """This config with the CPU kernels taking products of up to `rows` rows (and blocks of up to
+        `rows` queries a row): what a decoding step ([B, 1]) and a tree verification ([B, N]) run
+        with, so that each token's logits are the kernels' one-row results bit for bit whatever
+        the batch or tree size (the kernels sum every row in one order, whatever rows share a
+        call). Without the kernels, or for rows within `kernel_rows`, the config itself."""
+        if self.matmul_impl != "cpu_kernel" or rows <= self.kernel_rows:
+            return self
+        return dataclasses.replace(self, kernel_rows=int(rows))
 
     # ------------------------------------------------------------------ RoPE
     def rope_inv_freq(self) -> np.ndarray:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .layers import DecoderLayer, RMSNorm, rope_cos_sin
+from .layers import DecoderLayer, rms_norm, rope_cos_sin
 
 
 @flax.struct.dataclass
@@ -152,7 +152,7 @@ def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optio
         (x, caps, k_all, v_all), _ = _layer_loop(body, (x, caps0, cache.k, cache.v), params["layers"])
         new_cache = cache.replace(k=k_all, v=v_all)
 
-    hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype).apply({"params": params["norm"]}, x)
+    hidden = rms_norm(cfg, cfg.hidden_size).apply({"params": params["norm"]}, x)
     layer_out = {c: caps[j] for j, c in enumerate(layer_caps)}
     captured = tuple(hidden if c == cfg.num_layers else layer_out[c] for c in capture)
     return DecoderOutput(hidden, captured, new_cache)
@@ -221,16 +221,16 @@ def _capture(caps, layer_caps, i, h):
 def lm_logits(params, cfg: ModelConfig, hidden_btd) -> jax.Array:
     """Float32 logits over the vocabulary (tied embeddings use the embedding matrix)."""
     if cfg.matmul_impl == "cpu_kernel":
-        from ..kernels.cpu_matmul import MAX_ROWS, matmul, qmatmul, quant_kind
+        from ..kernels.cpu_matmul import matmul, qmatmul, quant_kind
 
         h = hidden_btd.astype(jnp.float32)
         head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
         kind = quant_kind(head)
-        if kind is not None and math.prod(h.shape[:-1]) <= MAX_ROWS:  # GGUF blocks (models/quantized.py)
+        if kind is not None and math.prod(h.shape[:-1]) <= cfg.kernel_rows:  # GGUF blocks (models/quantized.py)
             return qmatmul(h, head[kind], kind, head.get(f"{kind}_scales"))
         if cfg.tie_word_embeddings:
-            return matmul(h, params["embed_tokens"]["embedding"].astype(jnp.float32), "nk")
-        return matmul(h, params["lm_head"]["kernel"].astype(jnp.float32), "kn")
+            return matmul(h, params["embed_tokens"]["embedding"].astype(jnp.float32), "nk", cfg.kernel_rows)
+        return matmul(h, params["lm_head"]["kernel"].astype(jnp.float32), "kn", cfg.kernel_rows)
     if cfg.tie_word_embeddings:
         w = params["embed_tokens"]["embedding"]  # V D
         return jnp.einsum("...d,vd->...v", hidden_btd, w, preferred_element_type=jnp.float32)

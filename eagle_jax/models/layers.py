@@ -18,18 +18,36 @@ from .lowp_dense import LowpDense, use_lowp_dense
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as Hugging Face's LlamaRMSNorm does."""
+    """RMSNorm computed in float32 and cast back, as Hugging Face's LlamaRMSNorm does.
+
+    `kernel` (the model under `matmul_impl == "cpu_kernel"`): the sum of squares goes through
+    `kernels.cpu_matmul` (a product with a row of ones), which sums every row in one fixed order.
+    XLA:CPU's own reduction changes its order with the number of rows (from about 10 rows of 256 on),
+    so a token's norm, and with it its logits, would depend on how many tokens share the pass."""
 
     dim: int
     eps: float
     dtype: jnp.dtype = jnp.float32
+    kernel: bool = False
 
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (self.dim,), self.dtype)
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.kernel:
+            from ..kernels.cpu_matmul import matmul
+
+            ones = jnp.ones((1, self.dim), jnp.float32)
+            mean_sq = matmul(xf * xf, ones, "nk", max_rows=1 << 30) / self.dim
+        else:
+            mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        xf = xf * jax.lax.rsqrt(mean_sq + self.eps)
         return scale * xf.astype(x.dtype)
+
+
+def rms_norm(cfg: ModelConfig, dim: int, name: Optional[str] = None) -> RMSNorm:
+    """The model's RMSNorm over `dim`: through the CPU kernel's fixed-order sums under "cpu_kernel"."""
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.jnp_dtype, kernel=cfg.matmul_impl == "cpu_kernel", name=name)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions_bt: jax.Array):
@@ -146,15 +164,16 @@ class KernelDense(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    max_rows: int = 16  # ModelConfig.kernel_rows: larger products go through XLA's dot
 
     @nn.compact
     def __call__(self, x):
-        from ..kernels.cpu_matmul import MAX_ROWS, bmatmul, hmatmul, matmul, qmatmul, quant_kind
+        from ..kernels.cpu_matmul import bmatmul, hmatmul, matmul, qmatmul, quant_kind
 
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
         held = self.variables.get("params", {})
         kind = quant_kind(held)
-        few = math.prod(x.shape[:-1]) <= MAX_ROWS
+        few = math.prod(x.shape[:-1]) <= self.max_rows
         if kind is not None and few:  # GGUF blocks (models/quantized.py)
             y = qmatmul(x, self.get_variable("params", kind), kind,
                         self.get_variable("params", f"{kind}_scales")).astype(self.dtype)
@@ -163,7 +182,7 @@ class KernelDense(nn.Module):
         elif "f16" in held and few and self.dtype == jnp.float32:  # the float16 values of a head's kernel
             y = hmatmul(x.astype(jnp.float32), self.get_variable("params", "f16"))
         else:
-            y = matmul(x.astype(self.dtype), kernel.astype(self.dtype)).astype(self.dtype)
+            y = matmul(x.astype(self.dtype), kernel.astype(self.dtype), max_rows=self.max_rows).astype(self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
         return y
@@ -174,9 +193,8 @@ def dense(cfg: ModelConfig, name: Optional[str], features: int, use_bias: bool) 
     `LowpDense` (the same parameters) for bfloat16/float16 compute on the CPU backend."""
     dt = cfg.jnp_dtype
     if cfg.matmul_impl == "cpu_kernel":
-        cls = KernelDense
-    else:
-        cls = LowpDense if use_lowp_dense(dt) else nn.Dense
+        return KernelDense(features, use_bias=use_bias, dtype=dt, param_dtype=dt, max_rows=cfg.kernel_rows, name=name)
+    cls = LowpDense if use_lowp_dense(dt) else nn.Dense
     return cls(features, use_bias=use_bias, dtype=dt, param_dtype=dt, name=name)
 
 
@@ -198,7 +216,6 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_btd, cos, sin, mask_bts, cache=None):
         cfg = self.cfg
-        dt = cfg.jnp_dtype
         b, t, _ = x_btd.shape
         q = dense(cfg, "q_proj", cfg.num_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
         k = dense(cfg, "k_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
@@ -207,8 +224,8 @@ class Attention(nn.Module):
         k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, name="q_norm")(q)
-            k = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, name="k_norm")(k)
+            q = rms_norm(cfg, cfg.head_dim, "q_norm")(q)
+            k = rms_norm(cfg, cfg.head_dim, "k_norm")(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         if cache is None:
@@ -226,7 +243,7 @@ class Attention(nn.Module):
                 length_b, bits_btw, q_pos_bt = mask_bts
                 out = tree_attention(q, k_all[layer], v_all[layer], length_b, k, v, bits_btw, q_pos_bt,
                                      window=cfg.sliding_window, impl="pallas")
-            elif cfg.matmul_impl == "cpu_kernel" and _cpu_attention().usable(q, k_all):  # the layer in place
+            elif cfg.matmul_impl == "cpu_kernel" and _cpu_attention().usable(q, k_all, cfg.kernel_rows):  # in place
                 mask_bts = jnp.broadcast_to(mask_bts, (b, t, k_all.shape[2]))
                 out = _cpu_attention().cache_attention(q, k_all, v_all, layer, mask_bts)
             else:
@@ -258,9 +275,8 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_btd, cos, sin, mask_bts, cache: Optional[tuple] = None):
         cfg = self.cfg
-        dt = cfg.jnp_dtype
-        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="input_layernorm")(x_btd) if self.input_norm else x_btd
+        h = rms_norm(cfg, cfg.hidden_size, "input_layernorm")(x_btd) if self.input_norm else x_btd
         a, cache = Attention(cfg, name="self_attn")(h, cos, sin, mask_bts, cache)
         x_btd = x_btd + a
-        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x_btd)
+        h = rms_norm(cfg, cfg.hidden_size, "post_attention_layernorm")(x_btd)
         return x_btd + MLP(cfg, name="mlp")(h), cache

@@ -9,7 +9,7 @@ weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["ke
 to float32 once (`"q4_1_scales"`: the kernel reads them with broadcasts). The kernel dequantises
 them in registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
 equals the float32 kernel's product with the converted weights bit for bit; products of more than
-`cpu_matmul.MAX_ROWS` rows (prefill chunks) use the float32 weights.
+`ModelConfig.kernel_rows` rows (prefill chunks) use the float32 weights.
 
 Each attached tensor is checked against its float32 counterpart (dequantised and compared
 exactly); a mismatch (a stale conversion, a different file) raises and names the tensor.
