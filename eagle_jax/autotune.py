@@ -73,10 +73,7 @@ def packaged_budget_path(model: str, method: str, drafter: str) -> Path:
     if platform == "cpu":
         from .kernels import cpu_matmul
 
-        try:
-            isa = cpu_matmul.cpu_isa()
-        except RuntimeError:
-            isa = None
+        isa = cpu_matmul.cpu_isa_or_none()
         if isa not in (None, "avx512") and (base / f"{stem}.cpu-{isa}.json").exists():
             return base / f"{stem}.cpu-{isa}.json"
     return base / f"{stem}.{platform}.json"

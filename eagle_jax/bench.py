@@ -98,10 +98,7 @@ def machine_info() -> dict:
         cpu = fields.get("model name", cpu)
     except OSError:
         pass
-    try:  # the instruction set the CPU kernels build for ("avx512", "avx2"); None without either
-        isa = cpu_matmul.cpu_isa()
-    except RuntimeError:
-        isa = None
+    isa = cpu_matmul.cpu_isa_or_none()  # what the CPU kernels build for ("avx512", "avx2"), None without
     return {"platform": platform.platform(), "cpu": cpu, "cpu_family_model": f"{fields.get('cpu family', '?')}/"
             f"{fields.get('model', '?')}", "cpu_isa": isa, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),

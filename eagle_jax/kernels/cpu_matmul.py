@@ -83,6 +83,14 @@ def cpu_isa() -> str:
     raise RuntimeError("this CPU has neither AVX-512 (F, DQ) nor AVX2 with FMA and F16C")
 
 
+def cpu_isa_or_none() -> str | None:
+    """`cpu_isa()`, or None where it raises (no AVX-512 or AVX2, a wrong override)."""
+    try:
+        return cpu_isa()
+    except RuntimeError:
+        return None
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle_jax")
