@@ -23,7 +23,8 @@ print(json.dumps({"path": str(path), "config": jax.config.jax_compilation_cache_
 
 
 def _run(env_extra: dict, tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items()  # not the test run's own cache (conftest.py)
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_COMPILATION_CACHE_MAX_SIZE")}
     env.update(env_extra, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, cwd=tmp_path,
                          timeout=300)

@@ -355,6 +355,8 @@ def test_a_long_block_gives_each_token_the_decoding_steps_logits_bit_for_bit(tin
     `ModelConfig.for_rows`, so its products and attention go through the same kernels as one-token
     decoding steps, and every token's logits are the step's, bit for bit (XLA's GEMM and the
     reference attention, which took over above 16 rows, agree only to rounding)."""
+    from eagle_jax.kernels.cpu_attention import MAX_QUERIES
+    from eagle_jax.models.config import ModelConfig
     from eagle_jax.models.decoder import KVCache
 
     d, cfg, params = tiny_gguf
@@ -362,6 +364,7 @@ def test_a_long_block_gives_each_token_the_decoding_steps_logits_bit_for_bit(tin
     qparams = unstack_layers(attach_gguf_blocks(params, kcfg, d / "m.gguf"))
     long_cfg = kcfg.for_rows(20)
     assert long_cfg.kernel_rows == 20 and kcfg.for_rows(16) is kcfg and cfg.for_rows(20) is cfg
+    assert ModelConfig.kernel_rows == cm.MAX_ROWS == MAX_QUERIES  # one default, three names
     rng = np.random.default_rng(3)
     prefix = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)), jnp.int32)
     block = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 20)), jnp.int32)

@@ -202,7 +202,10 @@ def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, bud
         assert (first > 1).mean() > 0.02
     assert _chi2_pvalue(draws, joint) > 1e-3
 
-    # Power: a sampler that accepts from a sharpened p (not the target's) is caught.
+    # Power: a sampler that accepts from a sharpened p (not the target's) is caught. The bias sits in
+    # the acceptance every variant shares, so one variant (the oracle's, the most drafts accepted) shows it.
+    if head_name != "oracle":
+        return
     real = speculative.accept_from_logits
     monkeypatch.setattr(speculative, "accept_from_logits",
                         lambda key, tok, par, val, logits, sp, d: real(key, tok, par, val, logits * 1.5, sp, d))

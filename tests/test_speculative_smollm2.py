@@ -1,6 +1,8 @@
 """Speculative greedy decoding of the real SmolLM2-135M equals plain greedy decoding, token for
-token, for EAGLE-1 (static tree), EAGLE-2 and EAGLE-3 — with random heads (almost nothing
-accepted) and with the oracle head (whole paths accepted), several prompts in one batch.
+token, for EAGLE-1 (static tree), EAGLE-2 and EAGLE-3 — with the oracle head (whole paths
+accepted) and with the packaged trained heads (some drafts accepted, many rejected), several
+prompts in one batch. Random heads (almost nothing accepted) are covered on the tiny models of
+test_speculative.py; on this model they added no path the trained heads' rejections miss.
 
 The plain reference decodes with the engine's CPU layout (layers unrolled); the speculative runs
 use the scanned layout of the same weights (`stack_layers`), which compiles about 3x faster — an
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.decoding import pack_prompts
-from eagle_jax.draft import DraftConfig, init_head, oracle_head
+from eagle_jax.draft import oracle_head
 from eagle_jax.engine import default_budget
 from eagle_jax.models.decoder import stack_layers
 from eagle_jax.sampling import SamplingParams
@@ -30,57 +32,44 @@ PROMPTS = [
     "List the planets of the solar system in order.",
 ]
 NEW = 64
-NEW_RANDOM = 32
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2):
-    engine, _ = smollm2
+def plain(smollm2_engine):
+    engine = smollm2_engine
     ids = [engine.encode(p) for p in PROMPTS]
     assert engine.layers == "unroll"
     return ids, [engine.generate_ids(p, NEW).tokens for p in ids]
 
 
 @pytest.fixture(scope="module")
-def scan_params(smollm2):
-    return stack_layers(smollm2[0].params)
+def scan_params(smollm2_engine):
+    return stack_layers(smollm2_engine.params)
 
 
 @pytest.mark.parametrize("method", ["eagle1", "eagle2", "eagle3"])
-@pytest.mark.parametrize("head_kind", ["random", "oracle"])
-def test_speculative_greedy_equals_plain(smollm2, plain, scan_params, method, head_kind):
-    engine, _ = smollm2
+def test_oracle_speculative_greedy_equals_plain(smollm2_engine, plain, scan_params, method):
+    engine = smollm2_engine
     ids, expected = plain
     cfg = engine.cfg
-    if head_kind == "oracle":
-        head = oracle_head(cfg, scan_params)
-    else:
-        kind = "eagle3" if method == "eagle3" else "eagle1"
-        head = init_head(DraftConfig.for_target(kind, cfg, draft_vocab_size=8192), jax.random.PRNGKey(3),
-                         d2t=np.arange(8192, dtype=np.int32) * 5 if kind == "eagle3" else None)  # ids 0,6,12,...
-    # A random head is rejected at almost every step (one token per target pass): its first NEW_RANDOM
-    # tokens exercise rejection as well as all NEW would, at half the passes.
-    n = NEW if head_kind == "oracle" else NEW_RANDOM
+    head = oracle_head(cfg, scan_params)
     toks, lens = pack_prompts(ids, 128)
-    out = speculative_generate(scan_params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(n),
+    out = speculative_generate(scan_params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(NEW),
                                jnp.asarray(engine.eos_ids, jnp.int32), SamplingParams.create(len(ids)),
                                jax.random.PRNGKey(0), budget=default_budget(method))
     for i, exp in enumerate(expected):
-        assert np.asarray(out.tokens[i, lens[i]:out.length[i]]).tolist() == exp[:n], PROMPTS[i]
+        assert np.asarray(out.tokens[i, lens[i]:out.length[i]]).tolist() == exp, PROMPTS[i]
     tau = np.asarray(out.num_new).sum() / np.asarray(out.target_calls).sum()
-    if head_kind == "oracle":
-        assert tau > 3.0  # whole paths accepted
-    else:
-        assert tau < 1.5  # a random head is almost never right
+    assert tau > 3.0  # whole paths accepted
 
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle2", "eagle1"])
-def test_packaged_default_drafters_are_lossless_and_trained(smollm2, plain, scan_params, method):
+def test_packaged_default_drafters_are_lossless_and_trained(smollm2_engine, plain, scan_params, method):
     """The drafters shipped for the default target: exact greedy output, and clearly better than a
     random head (which accepts almost nothing: tau ≈ 1.0)."""
     from eagle_jax.engine import default_drafter_path
 
-    engine, _ = smollm2
+    engine = smollm2_engine
     ids, expected = plain
     assert default_drafter_path("smollm2-135m-instruct", "eagle3" if method == "eagle3" else "eagle1") is not None
     engine.add_method(method, "default")
@@ -92,3 +81,5 @@ def test_packaged_default_drafters_are_lossless_and_trained(smollm2, plain, scan
         assert np.asarray(out.tokens[i, lens[i]:out.length[i]]).tolist() == exp, PROMPTS[i]
     tau = np.asarray(out.num_new).sum() / np.asarray(out.target_calls).sum()
     assert tau > 1.2, tau
+    steps = np.asarray(out.accept_lengths)
+    assert (steps == 1).sum() > 0 and (steps > 1).sum() > 0  # both paths ran: all drafts rejected, some accepted

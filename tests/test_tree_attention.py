@@ -238,7 +238,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_smollm2_default_drafter_pallas_greedy_equals_reference(smollm2):
+def test_smollm2_default_drafter_pallas_greedy_equals_reference(smollm2_engine):
     """The issue's acceptance test: `--attention pallas` decoding gives the greedy tokens of
     `--attention reference` with the default target and drafter. Run in a fresh interpreter: late
     in the full suite (hundreds of compiled programs in one process) XLA's CPU runtime once

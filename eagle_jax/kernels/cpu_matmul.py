@@ -48,6 +48,7 @@ _SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ4
             "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "attention": "EagleAttention"}
 QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per 32 weights (ggml block layouts)
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (measured on a 2-core Xeon: 16 rows break even)
+ANY_ROWS = 1 << 62  # `matmul(..., max_rows=ANY_ROWS)`: the kernel whatever the row count (a fixed order of sums)
 MATMUL_IMPLS = ("xla", "cpu_kernel")
 
 _lock = threading.Lock()

@@ -94,7 +94,7 @@ class ModelConfig:
     dtype: str = "float32"
     attention_impl: str = "reference"
     matmul_impl: str = "xla"  # "cpu_kernel": few-row products through kernels/cpu_matmul (inference on x86 CPUs)
-    kernel_rows: int = 16  # with "cpu_kernel": the most rows a product goes through the kernels with
+    kernel_rows: int = 16  # with "cpu_kernel": the most rows a product takes the kernels for (= cpu_matmul.MAX_ROWS)
 
     def __post_init__(self):
         if self.family not in FAMILIES:

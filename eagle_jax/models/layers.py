@@ -35,10 +35,10 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (self.dim,), self.dtype)
         xf = x.astype(jnp.float32)
         if self.kernel:
-            from ..kernels.cpu_matmul import matmul
+            from ..kernels.cpu_matmul import ANY_ROWS, matmul
 
             ones = jnp.ones((1, self.dim), jnp.float32)
-            mean_sq = matmul(xf * xf, ones, "nk", max_rows=1 << 30) / self.dim
+            mean_sq = matmul(xf * xf, ones, "nk", max_rows=ANY_ROWS) / self.dim
         else:
             mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True)
         xf = xf * jax.lax.rsqrt(mean_sq + self.eps)
@@ -164,7 +164,7 @@ class KernelDense(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    max_rows: int = 16  # ModelConfig.kernel_rows: larger products go through XLA's dot
+    max_rows: int = ModelConfig.kernel_rows  # the model's kernel_rows: larger products go through XLA's dot
 
     @nn.compact
     def __call__(self, x):
