@@ -25,6 +25,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 import numpy as np
 import pytest
 
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests run first (the order within each group kept): under `-n 2 --dist
+    loadfile` a worker takes a whole file at a time, so a long file left to the end would run alone
+    while the other worker idles; the short files fill in last."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 

@@ -182,6 +182,7 @@ def _exact_three_tokens(params, cfg, prompt, sp1):
     return joint
 
 
+@pytest.mark.slow  # 6000 sampled rows a run (about a minute each)
 @pytest.mark.parametrize("head_name,budget", [("oracle", DYNAMIC), ("eagle3-random", DYNAMIC),
                                                ("eagle3-random", LOOKUP)])
 def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, budget, monkeypatch):

@@ -25,6 +25,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "cpu_simd_avx2.h"  // hsum
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -107,18 +109,11 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline float dot_row(const float* qv, const float* ks, int64_t D) {
   __m256 a = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(ks + d), a);
-  float dot = hsum256(a);
+  float dot = hsum(a);
   for (; d < D; ++d) dot += qv[d] * ks[d];
   return dot;
 }
@@ -142,7 +137,7 @@ inline float exp_row(float* ps, int64_t sp, float mval) {
     _mm256_storeu_ps(ps + s, e);
     sum = _mm256_add_ps(sum, e);
   }
-  return hsum256(sum);
+  return hsum(sum);
 }
 
 inline void axpy(float w, const float* vs, float* a, int64_t D) {

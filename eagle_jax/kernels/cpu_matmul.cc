@@ -33,6 +33,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "cpu_simd_avx2.h"  // hsum (the AVX2 kernels)
+
 namespace ffi = xla::ffi;
 
 namespace {

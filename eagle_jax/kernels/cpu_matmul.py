@@ -38,7 +38,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _SOURCES = (Path(__file__).with_name("cpu_matmul.cc"), Path(__file__).with_name("cpu_attention.cc"))
-_HEADERS = (Path(__file__).with_name("cpu_matmul_avx512.h"), Path(__file__).with_name("cpu_matmul_avx2.h"))
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_matmul_avx512.h", "cpu_matmul_avx2.h", "cpu_simd_avx2.h"))
 ISAS = ("avx512", "avx2")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",

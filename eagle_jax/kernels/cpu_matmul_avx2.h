@@ -23,16 +23,11 @@ constexpr int kKnRowsW(int t) { return t <= 2 ? 4 : 2; }
 // one pass against about 25 as 5 + 5.
 constexpr int64_t kQOnePass = 8;
 
+// (hsum, the sum of a vector's lanes: cpu_simd_avx2.h, included by cpu_matmul.cc.)
+
 // Lanes [0, r) of an 8-float vector, for masked loads and stores.
 inline __m256i lanes_below(int64_t r) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // ---------------------------------------------------------------- kn: y = x @ w, w [K, N]
