@@ -25,6 +25,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 import numpy as np
 import pytest
 
+
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests run first (the order within each group kept): under `-n 2 --dist
     loadfile` a worker takes a whole file at a time, so a long file left to the end would run alone
