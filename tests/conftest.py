@@ -18,6 +18,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # greedy tests: 126 s cold, 38 s warm on the 2-core Zen 1 VM). Capped at 2 GiB, least recently
     # used first out; its lock makes reads and writes safe across processes. For a cold run, point
     # JAX_COMPILATION_CACHE_DIR at an empty directory.
+    # The base is registry.default_cache_dir()'s rule, written out: importing eagle_jax imports jax,
+    # which reads these variables once, at its import.
     _base = os.environ.get("EAGLE_JAX_CACHE") or str(Path.home() / ".cache" / "eagle_jax")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(_base).expanduser() / "xla-tests")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
