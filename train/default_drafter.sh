@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The default drafters for SmolLM2-135M-Instruct, end to end (each stage resumes; stages 1–21 ran on
-# this CPU, stage 22 on a lent GPU):
+# this CPU, stages 22 and 23 on lent GPUs):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in twenty-two stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in twenty-three stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
@@ -11,9 +11,10 @@
 #      (LowpDense: bf16 products on the CPU's matrix units), stages 12 and 13 add sd8 and sd9, stage
 #      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17
 #      sd14, stage 18 sd15 (stage 19, not packaged, replays four sets beside sd16), stage 20 sd17 +
-#      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (the packaged head: 1000 steps of 64
-#      rows on a GPU) every set plus sd20a — and an EAGLE-1 head on runs/sd (offline features for
-#      EAGLE-3 on the CPU, online for EAGLE-1 and for stage 22);
+#      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (1000 steps of 64 rows on a GPU)
+#      every set plus sd20a, stage 23 (the packaged head: 1988 steps on a GPU) every set up to sd21
+#      — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3 on the CPU, online for
+#      EAGLE-1 and for stages 22 and 23);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -143,9 +144,13 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage21.json "$@"
 # on this CPU the same command resumes from its checkpoints and would need most of a day (an
 # estimate from the CPU stages' step times, not a run).
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage22.json "$@"
+# sd21 and sd22 (stored): self-instruct conversations (seeds 21 and 22) written on a lent H200 at stop
+# 41 by train/gpu.sh. Stage 23 trains stage 22's head on every set up to sd21: a cosine over 1988
+# steps of 64 rows, 252 s on the H200 (on this CPU about two days, resumable). sd22 waits for a stage.
+python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage23.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage22/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage23/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"

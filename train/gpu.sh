@@ -4,29 +4,35 @@
 #      on an H200 24k reply tokens/s, against 1.3k for continuous batching's row-by-row refills;
 #      questions written 512 at a time; ids already in train/data are left out; held-out prompts
 #      are filtered as always) for at most GEN_SECONDS; the replies written by then are kept;
-#   2. train the packaged head on every stored set plus the new one (stage 22b's config,
-#      configs/train/smollm2_eagle3_stage22b.json, for STEPS steps: target features online, 7.9 steps
-#      a second on an H200) for at most TRAIN_SECONDS, then export it.
+#   2. train the packaged head on every stored set plus the new one (stage 23's config,
+#      configs/train/smollm2_eagle3_stage23.json, its sets and every other train/data/*.jsonl.gz but
+#      the held-out one, for STEPS steps: target features online, 7.9 steps a second on an H200) for
+#      at most TRAIN_SECONDS, then export it.
 #
 #   train/gpu.sh OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS] [--set section.key=value ...]
-#   (environment: SEED=21 (sd20 is stored), N=12000 questions asked for, ROWS=512 replies decoded at once, QROWS=512,
+#   (environment: SEED=23 (sd22 is stored), N=12000 questions asked for, ROWS=512 replies decoded at once, QROWS=512,
 #    STEPS=1500 training steps of 64 rows,
-#    GEN_PRECISION=highest: the target generates with float32 products, not TF32)
+#    GEN_PRECISION=highest: the target generates with float32 products, not TF32,
+#    TOTAL_SECONDS: a box for the whole script; training then gets what generation left of it, less
+#    TRAIN_OVERHEAD=100 s for loading, compiling, saving and export, and STEPS=auto sizes the cosine to
+#    that time at STEPS_PER_SECOND=7 (an H200 made 7.9))
 #
 # OUT_DIR gets sd<SEED>/ (generated.jsonl, train.jsonl, summary.json) and eagle3-gpu/ (metrics,
 # checkpoints, export/). Rerunning the same command continues both steps where they stopped.
-# The stop-38 session ran its steps on a lent H200 (train/README.md, stage 22).
+# Lent H200s ran it at stop 38 (stage 22) and at stop 41 (stage 23: TOTAL_SECONDS=550 TRAIN_OVERHEAD=120
+# SEED=21 N=6000 STEPS=auto train/gpu.sh OUT 160 0 --set train.save_every=500; train/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${1:?usage: train/gpu.sh OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS]}
 GEN_SECONDS=${2:-240}
 TRAIN_SECONDS=${3:-240}
-SEED=${SEED:-21}
+SEED=${SEED:-23}
 N=${N:-12000}
 ROWS=${ROWS:-512}
 QROWS=${QROWS:-512}
 STEPS=${STEPS:-1500}  # stage 22's lesson: steps bought more than new data (train/README.md)
+T0=$SECONDS
 EXTRA=("${@:4}")  # more --set overrides for the training run
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 mkdir -p "$OUT"
@@ -40,15 +46,24 @@ JAX_DEFAULT_MATMUL_PRECISION=${GEN_PRECISION:-highest} timeout "$GEN_SECONDS" py
 [[ $status -eq 124 ]] && echo "[gpu.sh] self-distillation stopped after ${GEN_SECONDS}s; its replies so far are kept" >&2
 [[ $status -ne 0 && $status -ne 124 ]] && exit "$status"
 python3 -m eagle_jax.training.selfdistill --out "$SD" --splits-only
+if [[ -n ${TOTAL_SECONDS:-} ]]; then
+  TRAIN_SECONDS=$(( TOTAL_SECONDS - (SECONDS - T0) - ${TRAIN_OVERHEAD:-100} ))
+  (( TRAIN_SECONDS >= 30 )) || { echo "[gpu.sh] TOTAL_SECONDS=$TOTAL_SECONDS leaves no time to train" >&2; exit 1; }
+fi
+[[ $STEPS == auto ]] && STEPS=$(( TRAIN_SECONDS * ${STEPS_PER_SECOND:-7} ))
+echo "[gpu.sh] training for at most ${TRAIN_SECONDS}s, a cosine over $STEPS steps" >&2
 
-TRAIN_FILES=$(python3 - "$SD/train.jsonl" <<'PY'
-import json, sys
-cfg = json.load(open("configs/train/smollm2_eagle3_stage22b.json"))
-print(json.dumps(cfg["data"]["train"] + [sys.argv[1]]))
+BASE=configs/train/smollm2_eagle3_stage23.json
+TRAIN_FILES=$(python3 - "$BASE" "$SD/train.jsonl" <<'PY'
+import glob, json, sys
+cfg = json.load(open(sys.argv[1]))
+files = cfg["data"]["train"]
+stored = [f for f in sorted(glob.glob("train/data/*.jsonl.gz")) if f not in files and f != cfg["data"]["eval"]]
+print(json.dumps(files + stored + [sys.argv[2]]))
 PY
 )
-python3 -m eagle_jax.train --config configs/train/smollm2_eagle3_stage22b.json \
+python3 -m eagle_jax.train --config "$BASE" \
   --set "model.init_from=\"eagle_jax/assets/drafters/smollm2-135m-instruct-eagle3\"" --set "train.seed=$SEED" \
-  --set "data.train=$TRAIN_FILES" --set "train.max_seconds=$TRAIN_SECONDS" --set train.save_every=100 \
+  --set "data.train=$TRAIN_FILES" --set "train.max_seconds=$TRAIN_SECONDS" --set train.save_every=500 \
   --set train.stop_at_step=null --set "train.total_steps=$STEPS" \
   --set "train.output_dir=\"$OUT/eagle3-gpu\"" --set "export.path=\"$OUT/eagle3-gpu/export\"" ${EXTRA[@]+"${EXTRA[@]}"}
