@@ -146,7 +146,7 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage21.json "$@"
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage22.json "$@"
 # sd21 and sd22 (stored): self-instruct conversations (seeds 21 and 22) written on a lent H200 at stop
 # 41 by train/gpu.sh. Stage 23 trains stage 22's head on every set up to sd21: a cosine over 1988
-# steps of 64 rows, 252 s on the H200 (on this CPU about two days, resumable). sd22 waits for a stage.
+# steps of 64 rows, 252 s on the H200 (on this CPU about twice stage 22's time, resumable). sd22 waits.
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage23.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters

@@ -18,7 +18,8 @@
 #    that time at STEPS_PER_SECOND=7 (an H200 made 7.9))
 #
 # OUT_DIR gets sd<SEED>/ (generated.jsonl, train.jsonl, summary.json) and eagle3-gpu/ (metrics,
-# checkpoints, export/). Rerunning the same command continues both steps where they stopped.
+# checkpoints, export/). Rerunning the same command continues both steps where they stopped (with
+# STEPS=auto, pass the first run's step count, which it prints, to keep its schedule).
 # Lent H200s ran it at stop 38 (stage 22) and at stop 41 (stage 23: TOTAL_SECONDS=550 TRAIN_OVERHEAD=120
 # SEED=21 N=6000 STEPS=auto train/gpu.sh OUT 160 0 --set train.save_every=500; train/README.md).
 set -euo pipefail
