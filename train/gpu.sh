@@ -19,7 +19,7 @@
 #
 # OUT_DIR gets sd<SEED>/ (generated.jsonl, train.jsonl, summary.json) and eagle3-gpu/ (metrics,
 # checkpoints, export/). Rerunning the same command continues both steps where they stopped (with
-# STEPS=auto, pass the first run's step count, which it prints, to keep its schedule).
+# STEPS=auto, the rerun keeps the first run's cosine: it reads total_steps from eagle3-gpu/config.json).
 # Lent H200s ran it at stop 38 (stage 22) and at stop 41 (stage 23: TOTAL_SECONDS=550 TRAIN_OVERHEAD=120
 # SEED=21 N=6000 STEPS=auto train/gpu.sh OUT 160 0 --set train.save_every=500; train/README.md).
 set -euo pipefail
@@ -50,6 +50,11 @@ python3 -m eagle_jax.training.selfdistill --out "$SD" --splits-only
 if [[ -n ${TOTAL_SECONDS:-} ]]; then
   TRAIN_SECONDS=$(( TOTAL_SECONDS - (SECONDS - T0) - ${TRAIN_OVERHEAD:-100} ))
   (( TRAIN_SECONDS >= 30 )) || { echo "[gpu.sh] TOTAL_SECONDS=$TOTAL_SECONDS leaves no time to train" >&2; exit 1; }
+fi
+RUN_CONFIG="$OUT/eagle3-gpu/config.json"  # written by the first run: a rerun resumes its schedule
+if [[ $STEPS == auto && -f $RUN_CONFIG ]]; then
+  STEPS=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["total_steps"])' "$RUN_CONFIG")
+  echo "[gpu.sh] resuming $RUN_CONFIG: its cosine over $STEPS steps" >&2
 fi
 [[ $STEPS == auto ]] && STEPS=$(( TRAIN_SECONDS * ${STEPS_PER_SECOND:-7} ))
 echo "[gpu.sh] training for at most ${TRAIN_SECONDS}s, a cosine over $STEPS steps" >&2
