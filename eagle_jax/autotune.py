@@ -9,8 +9,11 @@ steps and `top_k` children per expanded node. For each one measured:
   prompts the benchmark reports) gives tau = new tokens per target pass (the drafter's measured
   acceptance with that tree);
 - cost: `step_profile.profile_spec_step` times one step with it on this device (drafting,
-  verification of N tokens, and the rest);
-- expected tokens/s = tau / step time.
+  verification of N tokens, and the rest), and a plain decoding step with its runs alternated
+  with the step's;
+- expected speedup = tau × plain step time / step time (and expected tokens/s = tau / step time).
+  The ratio of two times taken side by side holds while a shared machine's speed drifts between
+  candidates, which expected tokens/s alone does not (stops 37 and 40 saw that noise pick trees).
 
 The search is coordinate-wise (`search_budgets`): every candidate size with the starting depth and
 top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every length of the
@@ -20,7 +23,7 @@ where the chain would not fit it), and every shortest n-gram it may be found by 
 shape and chain. Where a step costs much more per verified token than per expansion (a CPU) small,
 shallow, narrow trees win; where verification is nearly free (an accelerator) deep, wide ones do.
 Trees that are the same after `TreeBudget`'s clamping are measured once. The candidate with the
-highest expected tokens/s wins. Plain decoding is timed on the same prompts, so every candidate
+highest expected speedup wins. Plain decoding is timed on the same prompts, so every candidate
 also gets a measured speedup (same run, same prompts). The result is a small JSON config
 (`save_budget` / `load_budget`) that `python -m eagle_jax.serve --budget-config FILE` uses;
 `python -m eagle_jax.bench --total-tokens auto` writes it, by default to
@@ -47,6 +50,7 @@ DEFAULT_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48)
 DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
 DEFAULT_LOOKUPS = (0, 2, 3, 4, 6)  # prompt-lookup chain lengths
 DEFAULT_LOOKUP_NGRAMS = (1, 2, 3)  # the shortest n-gram a chain may be found by
+RANK_KEY = "expected_speedup"  # tau × plain step ms ÷ step ms, both timed side by side
 
 
 def budget_dir() -> Path:
@@ -143,8 +147,8 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
     every shape of `shapes` at the best size, then every chain length of `lookups` at the best tree
     (N tokens; a chain of L > N - 2 tokens, which would leave the head no node, at N + L), then, if
     the best tree has a chain, every shortest n-gram of `lookup_ngrams` for it, then every size
-    with the best shape and chain. `measure(budget)` returns a row with
-    "expected_tokens_per_s"; each distinct tree (after TreeBudget's clamping) is measured once.
+    with the best shape and chain. `measure(budget)` returns a row with `RANK_KEY`
+    ("expected_speedup"); each distinct tree (after TreeBudget's clamping) is measured once.
     Returns (the best budget, the rows in measurement order)."""
     rows, seen = [], set()
 
@@ -155,7 +159,7 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
         seen.add(budget)
         rows.append(dict(measure(budget), **budget_fields(budget)))
 
-    best = lambda: max(rows, key=lambda r: r["expected_tokens_per_s"])
+    best = lambda: max(rows, key=lambda r: r[RANK_KEY])
     for n in sizes:
         run(n, base.depth, base.top_k, base.lookup, base.lookup_min_ngram)
     if not rows:
@@ -209,11 +213,14 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
         prof = profile_spec_step(engine, method, prompts[0], budget=budget, reps=reps, cache_len=cache_len)
         release_programs()
         row = {"tau": tau, "step_ms": prof["step_ms"], "draft_ms": prof["draft_ms"],
-               "verify_ms": prof["verify_ms"], "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
+               "verify_ms": prof["verify_ms"], "plain_step_ms": prof["plain_ms"],
+               "expected_speedup": tau * prof["plain_ms"] / prof["step_ms"],
+               "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
                "measured_tokens_per_s": tps, "measured_speedup": tps / vanilla_tps}
         say(f"autotune {method}: {describe_budget(budget)}: tau {tau:.2f}, "
-            f"step {prof['step_ms']:.1f} ms (verify {prof['verify_ms']:.1f}), expected "
-            f"{row['expected_tokens_per_s']:.1f} tok/s, measured {tps:.1f}")
+            f"step {prof['step_ms']:.1f} ms (verify {prof['verify_ms']:.1f}; plain {prof['plain_ms']:.1f}), "
+            f"expected {row['expected_speedup']:.2f}× ({row['expected_tokens_per_s']:.1f} tok/s), "
+            f"measured {tps:.1f} tok/s")
         return row
 
     sizes = sorted({int(n) for n in candidates})

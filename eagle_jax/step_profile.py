@@ -7,7 +7,9 @@ and any prompt-lookup chain), the verification alone (the target's pass over the
 logits included) and the whole step (`spec_advance` by one step) — each the median of `reps` runs
 after a warm-up. `other_ms` is the whole step minus the two parts (acceptance, the KV commit,
 re-feeding the head, dispatch); it is a difference of medians, so it can come out slightly
-negative on a noisy machine.
+negative on a noisy machine. `plain_ms` is one plain decoding step (`decode_advance` by one
+token) on the same prompt, its runs alternated with the whole step's, so that `step_ms /
+plain_ms` holds while a shared machine's speed drifts (autotuning ranks trees by it).
 
     split = profile_spec_step(engine, "eagle3", engine.encode("Hi"))
     split["draft_ms"], split["verify_ms"], split["step_ms"]
@@ -23,6 +25,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from .decoding import decode_advance, decode_start
 from .draft.drafting import TreeBudget
 from .models.config import ModelConfig
 from .speculative import propose_tree, spec_advance, spec_start, verify_tree
@@ -49,10 +52,23 @@ def _median_ms(fn, reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _paired_median_ms(fn_a, fn_b, reps: int) -> tuple[float, float]:
+    """Medians of `reps` runs of two programs, their runs alternated (after one warm-up each)."""
+    jax.block_until_ready(fn_a())
+    jax.block_until_ready(fn_b())
+    times = ([], [])
+    for _ in range(reps):
+        for fn, out in ((fn_a, times[0]), (fn_b, times[1])):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            out.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[0]), 1e3 * statistics.median(times[1])
+
+
 def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Optional[TreeBudget] = None,
                       reps: int = 10, cache_len: Optional[int] = None) -> dict:
-    """{"draft_ms", "verify_ms", "step_ms", "other_ms", "draft_frac", "verify_frac", "tree_tokens"}
-    for one greedy step of `method` on `engine` right after `prompt_ids`' prefill."""
+    """{"draft_ms", "verify_ms", "step_ms", "other_ms", "plain_ms", "draft_frac", "verify_frac",
+    "tree_tokens"} for one greedy step of `method` on `engine` right after `prompt_ids`' prefill."""
     if method not in engine.heads:
         raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
     budget = budget or engine.budgets[method]
@@ -67,9 +83,14 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
         return spec_advance(engine.params, engine.cfg, head, fresh.pop(), *args[2:], budget=budget,
                             n_steps=jnp.int32(1))
 
+    def plain_step():  # decode_advance donates its state too
+        return decode_advance(engine.params, engine.cfg, plain.pop(), *args[2:], n_steps=jnp.int32(1))
+
     fresh = [jax.tree.map(jnp.copy, state) for _ in range(reps + 1)]
-    jax.block_until_ready(fresh)
-    step_ms = _median_ms(one_step, reps)
+    start = decode_start(engine.params, engine.cfg, *args, prefill_chunk=engine.prefill_chunk)
+    plain = [jax.tree.map(jnp.copy, start) for _ in range(reps + 1)]
+    jax.block_until_ready((fresh, plain))
+    step_ms, plain_ms = _paired_median_ms(one_step, plain_step, reps)
     return {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms,
-            "other_ms": step_ms - draft_ms - verify_ms, "draft_frac": draft_ms / step_ms,
+            "other_ms": step_ms - draft_ms - verify_ms, "plain_ms": plain_ms, "draft_frac": draft_ms / step_ms,
             "verify_frac": verify_ms / step_ms, "tree_tokens": budget.num_nodes}

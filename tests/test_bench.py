@@ -87,7 +87,7 @@ def test_prompt_sets_time_split_and_plots(tiny_hf_dir, tmp_path, capsys):
         assert out["methods"][m]["new_tokens"] == sum(out["sets"][s][m]["new_tokens"] for s in out["sets"])
         assert out["methods"][m]["prompts"] == 4
     split = out["methods"]["eagle3"]["time_split"]
-    assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["step_ms"] > 0
+    assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["step_ms"] > 0 and split["plain_ms"] > 0
     assert abs(split["draft_ms"] + split["verify_ms"] + split["other_ms"] - split["step_ms"]) < 1e-6
     assert "time_split" not in out["methods"]["vanilla"]
     for name in ("speedup.png", "acceptance.png", "time_split.png"):
@@ -134,7 +134,7 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     # tuned on the calibration prompts (training prompts: never the benchmark's), at the benchmark's length
     assert rec["prompts"] == len(load_prompt_file(CALIBRATION_FILE)) and rec["max_new_tokens"] == 5
     shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"], r["lookup"], r["lookup_min_ngram"])
-    best_of = lambda rs: max(rs, key=lambda r: r["expected_tokens_per_s"])
+    best_of = lambda rs: max(rs, key=lambda r: r["expected_speedup"])
     # The flags reach the search (whose order test_budget_search_* checks with a fake measure): the
     # size with the default tree's top-k 4 (depth 5, clamped to N - 2) and the first chain listed (0),
     # then shape 1:2, then chain 2 at the best tree so far, then the shortest n-gram 2 if the best tree
@@ -150,8 +150,9 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     assert released == [0] * len(rows)
     best = best_of(rows)
     assert shape(rec["budget"]) == shape(best)
-    for r in rows:
+    for r in rows:  # ranked by the speedup expected from a plain step timed beside the tree's step
         assert abs(r["expected_tokens_per_s"] - 1e3 * r["tau"] / r["step_ms"]) < 1e-6
+        assert r["plain_step_ms"] > 0 and abs(r["expected_speedup"] - r["tau"] * r["plain_step_ms"] / r["step_ms"]) < 1e-9
     assert f"total_tokens={best['total_tokens']}" in out["settings"]["budgets"]["eagle3"]  # the run used it
     path = default_budget_path(str(tiny_hf_dir), "eagle3", "random")
     saved = load_budget(path, "eagle3")
@@ -195,7 +196,7 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
 
     def measure(b):
         seen.append((b.total_tokens, b.depth, b.top_k))
-        return {"expected_tokens_per_s": 100 - abs(b.total_tokens - 5) - 3 * abs(b.depth - 1) - 2 * abs(b.top_k - 3)
+        return {"expected_speedup": 100 - abs(b.total_tokens - 5) - 3 * abs(b.depth - 1) - 2 * abs(b.top_k - 3)
                 + 1.5 * (b.total_tokens == 6)}
 
     base = TreeBudget("dynamic", total_tokens=24, depth=5, top_k=4)
@@ -206,10 +207,10 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     assert (3, 1, 1) in seen and (3, 1, 9) in seen  # 9:9 clamped to depth 1 at 3 tokens
     narrow = TreeBudget("dynamic", total_tokens=3, depth=1, top_k=1)  # 2 nodes below the root at most
     assert [r["total_tokens"] for r in search_budgets([3, 5], (), narrow, measure)[1]] == [3]
-    assert max(rows, key=lambda r: r["expected_tokens_per_s"])["total_tokens"] == 6
+    assert max(rows, key=lambda r: r["expected_speedup"])["total_tokens"] == 6
     assert search_budgets([4], (), base, measure)[0] == TreeBudget("dynamic", total_tokens=4, depth=2, top_k=4)
     # the lookup chain: measured at the best tree, then the sizes again with the best chain
-    chain = lambda b: {"expected_tokens_per_s": measure(b)["expected_tokens_per_s"] + 4 * (b.lookup == 3)
+    chain = lambda b: {"expected_speedup": measure(b)["expected_speedup"] + 4 * (b.lookup == 3)
                        - 3 * (b.lookup == 3) * (b.total_tokens == 6)}
     best, rows = search_budgets([5, 6, 7], parse_shapes("1:3"), base, chain, lookups=(0, 3, 6))
     assert (best.total_tokens, best.depth, best.top_k, best.lookup) == (5, 1, 3, 3)
@@ -218,7 +219,7 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     assert [(r["total_tokens"], r["depth"], r["lookup"]) for r in rows] == [
         (5, 3, 0), (6, 4, 0), (7, 5, 0), (5, 1, 0), (5, 1, 3), (11, 1, 6), (6, 1, 3), (7, 1, 3)]
     # the chain's shortest n-gram: tried for the best tree's chain (1 is that tree), then the sizes with it
-    grams = lambda b: {"expected_tokens_per_s": chain(b)["expected_tokens_per_s"] + 2 * (b.lookup_min_ngram == 2)}
+    grams = lambda b: {"expected_speedup": chain(b)["expected_speedup"] + 2 * (b.lookup_min_ngram == 2)}
     best, rows = search_budgets([5, 6], parse_shapes("1:3"), base, grams, lookups=(0, 3), lookup_ngrams=(1, 2, 3))
     assert (best.total_tokens, best.depth, best.top_k, best.lookup, best.lookup_min_ngram) == (5, 1, 3, 3, 2)
     assert [(r["total_tokens"], r["depth"], r["lookup"], r["lookup_min_ngram"]) for r in rows] == [
@@ -286,3 +287,13 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     (tmp_path / "bad.json").write_text('{"budget": {"total_tokens": 8}}')
     with pytest.raises(ValueError, match="bad.json.*depth"):
         load_budget(tmp_path / "bad.json")
+
+
+def test_paired_timing_alternates_runs():
+    """The plain step autotuning divides by is timed in turns with the tree's step (one warm-up each)."""
+    from eagle_jax.step_profile import _paired_median_ms
+
+    calls = []
+    a, b = (lambda: calls.append("a")), (lambda: calls.append("b"))
+    ma, mb = _paired_median_ms(a, b, 3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3 and ma >= 0 and mb >= 0
