@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import re
 from pathlib import Path
 from typing import Callable, Optional
@@ -54,7 +53,9 @@ RANK_KEY = "expected_speedup"  # tau × plain step ms ÷ step ms, both timed sid
 
 
 def budget_dir() -> Path:
-    return Path(os.environ.get("EAGLE_JAX_CACHE", Path.home() / ".cache" / "eagle_jax")) / "budgets"
+    from .models.registry import default_cache_dir
+
+    return default_cache_dir() / "budgets"
 
 
 def device_tag() -> str:

@@ -20,7 +20,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # JAX_COMPILATION_CACHE_DIR at an empty directory.
     # The base is registry.default_cache_dir()'s rule, written out: importing eagle_jax imports jax,
     # which reads these variables once, at its import.
-    _base = os.environ.get("EAGLE_JAX_CACHE") or str(Path.home() / ".cache" / "eagle_jax")
+    _base = os.environ.get("EAGLE_JAX_CACHE") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle_jax")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(_base).expanduser() / "xla-tests")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 

@@ -272,14 +272,14 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     from eagle_jax.kernels import cpu_matmul
 
     budgets = Path(eagle_jax.__file__).parent / "assets" / "budgets"
-    for isa, name in [("avx512", "smollm2-135m-instruct.eagle3.default.cpu.json"),
-                      ("avx2", "smollm2-135m-instruct.eagle3.default.cpu-avx2.json")]:
-        monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda isa=isa: isa)
-        packaged = load_budget(budgets / name, "eagle3")
-        assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", None)[0] == packaged
-    assert load_budget(budgets / "smollm2-135m-instruct.eagle3.default.cpu-avx2.json") != \
-        load_budget(budgets / "smollm2-135m-instruct.eagle3.default.cpu.json")
-    monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda: "avx2")  # eagle2 has no AVX2 file: the CPU one
+    for m in ("eagle2", "eagle3"):
+        for isa, suffix in [("avx512", "cpu"), ("avx2", "cpu-avx2")]:
+            monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda isa=isa: isa)
+            packaged = load_budget(budgets / f"smollm2-135m-instruct.{m}.default.{suffix}.json", m)
+            assert resolve_budget("smollm2-135m-instruct", m, "default", None)[0] == packaged
+        assert load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu-avx2.json") != \
+            load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu.json")
+    monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda: "neon")  # no file for that kernel build: the CPU one
     assert resolve_budget("smollm2-135m-instruct", "eagle2", "default", None)[0] == \
         load_budget(budgets / "smollm2-135m-instruct.eagle2.default.cpu.json", "eagle2")
     assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", 24)[0].total_tokens == 24

@@ -84,10 +84,13 @@ def test_prompt_longer_than_cache_is_rejected():
     assert cache_length_for(100, 28) == 128 and cache_length_for(100, 29) == 256
 
 
-def test_continuous_batching_equals_generation_per_prompt(tiny_llama, rng):
-    """Self-distillation's continuous batching (`decode_refill` puts a new prompt into a finished
-    row while the others keep decoding) gives every prompt the greedy reply it gets alone, with its
-    stop reason; rows finish at different steps because of an EOS token and different prompts."""
+@pytest.mark.parametrize("steps_per_call", [3, 14])
+def test_continuous_batching_equals_generation_per_prompt(tiny_llama, rng, steps_per_call):
+    """Self-distillation's continuous batching (`decode_refill` puts new prompts into finished
+    rows while the others keep decoding) gives every prompt the greedy reply it gets alone, with its
+    stop reason; rows finish at different steps because of an EOS token and different prompts.
+    With 14 steps a call (the reply limit) every row finishes in every call, so one call refills
+    several rows (padded to a power of two, at most the batch)."""
     from types import SimpleNamespace
 
     from eagle_jax.training.selfdistill import Distiller
@@ -101,9 +104,19 @@ def test_continuous_batching_equals_generation_per_prompt(tiny_llama, rng):
     lengths = {len(r) for r in ref}
     assert len(lengths) > 2 and 14 in lengths, "the test needs rows that stop early and rows that run to the end"
     engine = SimpleNamespace(params=params, cfg=cfg, eos_ids=[eos], prefill_chunk=16)
-    d = Distiller(engine, max_new_tokens=14, batch_size=3, steps_per_call=3)
+    d = Distiller(engine, max_new_tokens=14, batch_size=3, steps_per_call=steps_per_call)
     got = {i: (toks, finish) for i, toks, finish in d.stream(prompts, cache_len=64)}
     assert sorted(got) == list(range(len(prompts)))
     for i, r in enumerate(ref):
         assert got[i] == (r, "stop" if r[-1] == eos else "length"), i
     assert TRACE_COUNTS.get("decode_refill", 0) >= 1
+    assert d.refilled_rows == len(prompts) - 3
+    if steps_per_call == 14:  # 8 prompts, 3 rows: refills of 3 and 2 rows
+        assert d.refill_calls == 2
+        assert d.refill_sizes() == [1, 2, 3]
+        traced = TRACE_COUNTS.get("decode_refill", 0)
+        d.compile_refills(prompts[0], 80)  # a new cache length: each refill size compiles once here
+        assert TRACE_COUNTS.get("decode_refill", 0) == traced + 3
+        again = {i: toks for i, toks, _ in d.stream(prompts, cache_len=80)}  # ... and not again
+        assert TRACE_COUNTS.get("decode_refill", 0) == traced + 3
+        assert again == {i: t for i, (t, _) in got.items()}

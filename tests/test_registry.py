@@ -49,6 +49,15 @@ def test_cache_dir_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "c"))
     assert registry.default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("EAGLE_JAX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert registry.default_cache_dir() == tmp_path / "xdg" / "eagle_jax"
+    from eagle_jax.autotune import budget_dir
+    from eagle_jax.kernels.cpu_matmul import _cache_dir
+
+    # every cache eagle_jax keeps follows the one rule
+    assert budget_dir() == tmp_path / "xdg" / "eagle_jax" / "budgets"
+    assert _cache_dir() == tmp_path / "xdg" / "eagle_jax" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert registry.default_cache_dir() == Path.home() / ".cache" / "eagle_jax"
 
 

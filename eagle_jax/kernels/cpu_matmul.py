@@ -93,9 +93,9 @@ def cpu_isa_or_none() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle_jax")
-    return Path(root) / "kernels"
+    from ..models.registry import default_cache_dir
+
+    return default_cache_dir() / "kernels"
 
 
 def _build(isa: str) -> Path:

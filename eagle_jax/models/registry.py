@@ -7,7 +7,7 @@
   * a `.gguf` file (converted once into the cache, keyed by file name, size and mtime),
 and returns the path of a directory that `checkpoint.load_hf_dir` and transformers both load.
 
-Cache: `$EAGLE_JAX_CACHE`, else `~/.cache/eagle_jax`. Conversions hold an fcntl lock, so two
+Cache: `$EAGLE_JAX_CACHE`, else `$XDG_CACHE_HOME/eagle_jax`, else `~/.cache/eagle_jax`. Conversions hold an fcntl lock, so two
 processes never convert the same model at once, and land atomically (`convert_gguf_to_hf_dir`).
 Progress goes to stderr only: stdout belongs to the CLI's --json mode.
 """
@@ -71,8 +71,12 @@ def _log(msg: str) -> None:
 
 
 def default_cache_dir() -> Path:
+    """eagle_jax's cache (models, kernels, compiled programs, tuned budgets): `$EAGLE_JAX_CACHE`, else
+    `$XDG_CACHE_HOME/eagle_jax`, else `~/.cache/eagle_jax`."""
     env = os.environ.get("EAGLE_JAX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "eagle_jax"
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "eagle_jax"
 
 
 def _cache(cache_dir) -> Path:

@@ -199,7 +199,8 @@ class Distiller:
         self.continuous = continuous
         self.steps_per_call = steps_per_call
         self.sp = SamplingParams.create(batch_size, temperature, top_p, top_k)
-        self.sp_one = SamplingParams.create(1, temperature, top_p, top_k)
+        self._sampling = (temperature, top_p, top_k)
+        self._sp_rows: dict = {}  # refill row count -> SamplingParams for that many rows
         self.eos = jnp.asarray(engine.eos_ids or [-1], jnp.int32)
         self.shapes: set = set()
 
@@ -238,9 +239,11 @@ class Distiller:
         """Continuous batching: yields (index, reply token ids, finish) as rows finish.
 
         The first batch_size prompts start together (`decode_start`); every `steps_per_call` decoding
-        steps the finished rows are read out and each gets the next prompt (`decode_refill`), so no
-        row idles until the batch's longest reply ends. Each prompt must fit `cache_len` with
-        max_new_tokens. Greedy replies are those of `generate` (the same computation per row).
+        steps the finished rows are read out and get the next prompts, all in one `decode_refill`
+        call (its rows padded to a power of two, at most batch_size, so it compiles a few times, not
+        once per count), so no row idles until the batch's longest reply ends. Each prompt must fit
+        `cache_len` with max_new_tokens. Greedy replies are those of `generate` (the same
+        computation per row). `refill_calls` / `refilled_rows` count the refills.
         """
         import jax
         import jax.numpy as jnp
@@ -262,7 +265,7 @@ class Distiller:
         owner: list = first + [None] * (b - len(first))  # the prompt index each row is generating
         plen = [int(x) for x in lens]
         eos = set(e.eos_ids)
-        refills = 0
+        self.refill_calls = self.refilled_rows = 0
         while any(o is not None for o in owner):
             st = decode_advance(e.params, e.cfg, st, mnt, self.eos, self.sp, key, jnp.int32(self.steps_per_call))
             done = np.asarray(st.done)
@@ -274,14 +277,50 @@ class Distiller:
                 new = [int(t) for t in tokens[r, plen[r]:plen[r] + int(num_new[r])]]
                 yield owner[r], new, "stop" if new and new[-1] in eos else "length"
                 owner[r] = None
-                if pending:
-                    i = pending.pop(0)
-                    t1, l1 = pack_prompts([prompt_ids[i]], cache_len)
-                    refills += 1
-                    st = decode_refill(e.params, e.cfg, st, jnp.asarray([r], jnp.int32), jnp.asarray(t1),
-                                       jnp.asarray(l1), mnt, self.eos, self.sp_one, jax.random.fold_in(key, refills),
-                                       prefill_chunk=e.prefill_chunk)
-                    owner[r], plen[r] = i, int(l1[0])
+            take = min(len(finished), len(pending))
+            if take:
+                rows_r, new_prompts = finished[:take], [pending.pop(0) for _ in range(take)]
+                n = min(1 << (take - 1).bit_length(), b)  # padded: row index b writes nothing
+                t1, l1 = pack_prompts([prompt_ids[i] for i in new_prompts] + [prompt_ids[new_prompts[0]]] * (n - take),
+                                      cache_len)
+                self.refill_calls += 1
+                self.refilled_rows += take
+                st = decode_refill(e.params, e.cfg, st, jnp.asarray(rows_r + [b] * (n - take), jnp.int32),
+                                   jnp.asarray(t1), jnp.asarray(l1), mnt, self.eos, self._sampling_rows(n),
+                                   jax.random.fold_in(key, self.refill_calls), prefill_chunk=e.prefill_chunk)
+                for r, i, length in zip(rows_r, new_prompts, l1):
+                    owner[r], plen[r] = i, int(length)
+
+    def refill_sizes(self) -> list[int]:
+        """The row counts a refill is padded to: powers of two below batch_size, and batch_size."""
+        b = self.batch_size
+        return sorted({min(1 << k, b) for k in range(b.bit_length() + 1)})
+
+    def compile_refills(self, prompt: list[int], cache_len: int) -> None:
+        """Compile `decode_refill` for every refill size (padding rows only: nothing is written), so a
+        timed `stream` compiles nothing."""
+        import jax
+        import jax.numpy as jnp
+
+        from ..decoding import decode_refill, decode_start, pack_prompts
+
+        e, b = self.engine, self.batch_size
+        mnt = jnp.int32(self.max_new_tokens)
+        toks, lens = pack_prompts([prompt] * b, cache_len)
+        st = decode_start(e.params, e.cfg, jnp.asarray(toks), jnp.asarray(lens), mnt, self.eos, self.sp,
+                          jax.random.PRNGKey(0), prefill_chunk=e.prefill_chunk)
+        for n in self.refill_sizes():
+            st = decode_refill(e.params, e.cfg, st, jnp.full((n,), b, jnp.int32), jnp.asarray(toks[:n]),
+                               jnp.asarray(lens[:n]), mnt, self.eos, self._sampling_rows(n), jax.random.PRNGKey(n),
+                               prefill_chunk=e.prefill_chunk)
+        jax.block_until_ready(st)
+
+    def _sampling_rows(self, n: int):
+        if n not in self._sp_rows:
+            from ..sampling import SamplingParams
+
+            self._sp_rows[n] = SamplingParams.create(n, *self._sampling)
+        return self._sp_rows[n]
 
 
 def distill(engine, prompts: Sequence[dict], out_path: Path, split: str, *, distiller: Distiller,
@@ -407,6 +446,7 @@ def measure(engine, prompts: Sequence[dict], batch_sizes: Sequence[int], max_new
             cache_len = d.stream_cache_len([len(x) for x in ids], quantile=1.0)
             for _ in d.stream(ids[:b + 1], cache_len):
                 pass
+            d.compile_refills(ids[0], cache_len)
             chunk = ids[b:b * (batches_each + 1)]
             t0 = time.perf_counter()
             toks = sum(len(x) for _, x, _ in d.stream(chunk, cache_len))
