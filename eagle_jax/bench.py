@@ -453,7 +453,7 @@ def full_markdown(result: dict) -> str:
         parts.append("time per speculative step\n\n" + "\n".join(lines))
     for m, rec in result.get("autotune", {}).items():
         lines = ["| tree tokens | depth | top-k | lookup | tau | step ms | plain step ms | expected speedup | "
-                 "expected tok/s | measured tok/s | measured speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "expected tok/s | measured tok/s | measured speedup |", "|" + "---|" * 11]
         lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {_chain(r)} | "
                   f"{r['tau']:.2f} | {r['step_ms']:.1f} | {_ms(r.get('plain_step_ms'))} | "
                   f"{_ratio(r.get('expected_speedup'))} | {r['expected_tokens_per_s']:.1f} | "

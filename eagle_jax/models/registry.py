@@ -7,8 +7,9 @@
   * a `.gguf` file (converted once into the cache, keyed by file name, size and mtime),
 and returns the path of a directory that `checkpoint.load_hf_dir` and transformers both load.
 
-Cache: `$EAGLE_JAX_CACHE`, else `$XDG_CACHE_HOME/eagle_jax`, else `~/.cache/eagle_jax`. Conversions hold an fcntl lock, so two
-processes never convert the same model at once, and land atomically (`convert_gguf_to_hf_dir`).
+Cache: `$EAGLE_JAX_CACHE`, else `$XDG_CACHE_HOME/eagle_jax`, else `~/.cache/eagle_jax`. Conversions
+hold an fcntl lock, so two processes never convert the same model at once, and land atomically
+(`convert_gguf_to_hf_dir`).
 Progress goes to stderr only: stdout belongs to the CLI's --json mode.
 """
 
