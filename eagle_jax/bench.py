@@ -424,12 +424,8 @@ def autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_
     return out
 
 
-def _ms(x) -> str:  # records saved before a field existed read "—"
-    return "—" if x is None else f"{x:.1f}"
-
-
-def _ratio(x) -> str:
-    return "—" if x is None else f"{x:.2f}"
+def _opt(x, digits: int) -> str:  # records saved before a field existed read "—"
+    return "—" if x is None else f"{x:.{digits}f}"
 
 
 def _chain(r: dict) -> str:
@@ -449,14 +445,14 @@ def full_markdown(result: dict) -> str:
         lines = ["| method | draft ms | verify ms | other ms | step ms | plain step ms | tree tokens |",
                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {m} | {s['draft_ms']:.1f} | {s['verify_ms']:.1f} | {s['other_ms']:.1f} | {s['step_ms']:.1f} | "
-                  f"{_ms(s.get('plain_ms'))} | {s['tree_tokens']} |" for m, s in splits.items()]
+                  f"{_opt(s.get('plain_ms'), 1)} | {s['tree_tokens']} |" for m, s in splits.items()]
         parts.append("time per speculative step\n\n" + "\n".join(lines))
     for m, rec in result.get("autotune", {}).items():
         lines = ["| tree tokens | depth | top-k | lookup | tau | step ms | plain step ms | expected speedup | "
                  "expected tok/s | measured tok/s | measured speedup |", "|" + "---|" * 11]
         lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {_chain(r)} | "
-                  f"{r['tau']:.2f} | {r['step_ms']:.1f} | {_ms(r.get('plain_step_ms'))} | "
-                  f"{_ratio(r.get('expected_speedup'))} | {r['expected_tokens_per_s']:.1f} | "
+                  f"{r['tau']:.2f} | {r['step_ms']:.1f} | {_opt(r.get('plain_step_ms'), 1)} | "
+                  f"{_opt(r.get('expected_speedup'), 2)} | {r['expected_tokens_per_s']:.1f} | "
                   f"{r['measured_tokens_per_s']:.1f} | {r['measured_speedup']:.2f} |" for r in rec["candidates"]]
         b = rec["budget"]
         parts.append(f"autotune {m}: chose {b['total_tokens']} tree tokens (depth {b['depth']}, top-k {b['top_k']}, "

@@ -189,8 +189,6 @@ class Distiller:
                  continuous: bool = True, steps_per_call: int = 16):
         import jax.numpy as jnp
 
-        from ..sampling import SamplingParams
-
         self.engine = engine
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
@@ -198,9 +196,9 @@ class Distiller:
         self.cache_bucket = cache_bucket
         self.continuous = continuous
         self.steps_per_call = steps_per_call
-        self.sp = SamplingParams.create(batch_size, temperature, top_p, top_k)
         self._sampling = (temperature, top_p, top_k)
-        self._sp_rows: dict = {}  # refill row count -> SamplingParams for that many rows
+        self._sp_rows: dict = {}  # row count -> SamplingParams for that many rows
+        self.sp = self._sampling_rows(batch_size)
         self.eos = jnp.asarray(engine.eos_ids or [-1], jnp.int32)
         self.shapes: set = set()
 
@@ -248,7 +246,7 @@ class Distiller:
         import jax
         import jax.numpy as jnp
 
-        from ..decoding import decode_advance, decode_refill, decode_start, pack_prompts
+        from ..decoding import decode_advance
 
         e, b = self.engine, self.batch_size
         mnt = jnp.int32(self.max_new_tokens)
@@ -257,11 +255,8 @@ class Distiller:
         if not pending:
             return
         first, pending = pending[:b], pending[b:]
-        rows = [prompt_ids[i] for i in first] + [prompt_ids[first[0]]] * (b - len(first))
-        toks, lens = pack_prompts(rows, cache_len)
         self.shapes.add(cache_len)
-        st = decode_start(e.params, e.cfg, jnp.asarray(toks), jnp.asarray(lens), mnt, self.eos, self.sp, key,
-                          prefill_chunk=e.prefill_chunk)
+        st, lens = self._start([prompt_ids[i] for i in first], cache_len, key)
         owner: list = first + [None] * (b - len(first))  # the prompt index each row is generating
         plen = [int(x) for x in lens]
         eos = set(e.eos_ids)
@@ -280,14 +275,11 @@ class Distiller:
             take = min(len(finished), len(pending))
             if take:
                 rows_r, new_prompts = finished[:take], [pending.pop(0) for _ in range(take)]
-                n = min(1 << (take - 1).bit_length(), b)  # padded: row index b writes nothing
-                t1, l1 = pack_prompts([prompt_ids[i] for i in new_prompts] + [prompt_ids[new_prompts[0]]] * (n - take),
-                                      cache_len)
                 self.refill_calls += 1
                 self.refilled_rows += take
-                st = decode_refill(e.params, e.cfg, st, jnp.asarray(rows_r + [b] * (n - take), jnp.int32),
-                                   jnp.asarray(t1), jnp.asarray(l1), mnt, self.eos, self._sampling_rows(n),
-                                   jax.random.fold_in(key, self.refill_calls), prefill_chunk=e.prefill_chunk)
+                n = min(1 << (take - 1).bit_length(), b)  # a few compiled sizes (refill_sizes)
+                st, l1 = self._refill(st, rows_r, [prompt_ids[i] for i in new_prompts], n, cache_len,
+                                      jax.random.fold_in(key, self.refill_calls))
                 for r, i, length in zip(rows_r, new_prompts, l1):
                     owner[r], plen[r] = i, int(length)
 
@@ -300,20 +292,37 @@ class Distiller:
         """Compile `decode_refill` for every refill size (padding rows only: nothing is written), so a
         timed `stream` compiles nothing."""
         import jax
+
+        st, _ = self._start([prompt], cache_len, jax.random.PRNGKey(0))
+        for n in self.refill_sizes():
+            st, _ = self._refill(st, [], [prompt], n, cache_len, jax.random.PRNGKey(n))
+        jax.block_until_ready(st)
+
+    def _start(self, prompts: list[list[int]], cache_len: int, key):
+        """`decode_start` of up to batch_size prompts (the batch padded with the first): (state, lengths)."""
         import jax.numpy as jnp
 
-        from ..decoding import decode_refill, decode_start, pack_prompts
+        from ..decoding import decode_start, pack_prompts
+
+        e = self.engine
+        toks, lens = pack_prompts(prompts + [prompts[0]] * (self.batch_size - len(prompts)), cache_len)
+        st = decode_start(e.params, e.cfg, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(self.max_new_tokens),
+                          self.eos, self.sp, key, prefill_chunk=e.prefill_chunk)
+        return st, lens
+
+    def _refill(self, st, rows_r: list[int], prompts: list[list[int]], n: int, cache_len: int, key):
+        """`decode_refill` of `prompts` into rows `rows_r`, both padded to n (padding rows go to row
+        batch_size, which writes nothing): (state, the prompts' lengths)."""
+        import jax.numpy as jnp
+
+        from ..decoding import decode_refill, pack_prompts
 
         e, b = self.engine, self.batch_size
-        mnt = jnp.int32(self.max_new_tokens)
-        toks, lens = pack_prompts([prompt] * b, cache_len)
-        st = decode_start(e.params, e.cfg, jnp.asarray(toks), jnp.asarray(lens), mnt, self.eos, self.sp,
-                          jax.random.PRNGKey(0), prefill_chunk=e.prefill_chunk)
-        for n in self.refill_sizes():
-            st = decode_refill(e.params, e.cfg, st, jnp.full((n,), b, jnp.int32), jnp.asarray(toks[:n]),
-                               jnp.asarray(lens[:n]), mnt, self.eos, self._sampling_rows(n), jax.random.PRNGKey(n),
-                               prefill_chunk=e.prefill_chunk)
-        jax.block_until_ready(st)
+        toks, lens = pack_prompts(prompts + [prompts[0]] * (n - len(prompts)), cache_len)
+        st = decode_refill(e.params, e.cfg, st, jnp.asarray(rows_r + [b] * (n - len(rows_r)), jnp.int32),
+                           jnp.asarray(toks), jnp.asarray(lens), jnp.int32(self.max_new_tokens), self.eos,
+                           self._sampling_rows(n), key, prefill_chunk=e.prefill_chunk)
+        return st, lens
 
     def _sampling_rows(self, n: int):
         if n not in self._sp_rows:
