@@ -51,7 +51,7 @@ from pathlib import Path
 from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
                        parse_shapes, resolve_budget)
 from .decoding import cache_length_for
-from .engine import SPEC_METHODS, default_budget
+from .engine import SPEC_METHODS, default_budget, parse_prefill_chunk
 from .serve.cli import read_prompts
 from .step_profile import profile_spec_step
 from .training.prompts import BENCH_CHAT_FILE, EVAL_CHAT_FILE, EVAL_CODE_FILE
@@ -270,6 +270,9 @@ def build_parser():
                    help="with the CPU kernel: the draft heads rounded to bfloat16 for AVX512-BF16 products (b16), "
                         "quantised to Q8_0, or their float16 values exactly; auto: b16 where the CPU has "
                         "AVX512-BF16, else q8_0")
+    p.add_argument("--prefill-chunk", default="auto",
+                   help="prompt tokens per prefill pass: N, or BIG,TAIL (chunks of BIG while 3/4 of one remains, "
+                        "then of TAIL); auto: 128,8 with the CPU kernel, else 64")
     p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
                    help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
                         "or auto (unroll on CPU, scan elsewhere); the same numbers either way")
@@ -337,6 +340,7 @@ def main(argv=None) -> int:
         lookup_ngrams = () if args.lookup_min_ngram is not None else parse_lookups(args.auto_lookup_ngrams)
         if any(n < 1 for n in lookup_ngrams):
             raise ValueError(f"--auto-lookup-ngrams must be >= 1, got {args.auto_lookup_ngrams!r}")
+        prefill_chunk = parse_prefill_chunk(args.prefill_chunk)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -344,7 +348,7 @@ def main(argv=None) -> int:
 
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
     engine = Engine(args.model, dtype=args.dtype, attention=args.attention, layers=args.layers, matmul=args.matmul,
-                    draft_rows=args.draft_rows)
+                    draft_rows=args.draft_rows, prefill_chunk=prefill_chunk)
     for m in methods:
         if m in SPEC_METHODS:
             spec = args.drafter
@@ -379,7 +383,7 @@ def main(argv=None) -> int:
               "settings": {"prompts": args.prompts, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
                            "attention": args.attention, "layers": engine.layers, "matmul": engine.cfg.matmul_impl,
-                           "draft_rows": engine.draft_rows,
+                           "draft_rows": engine.draft_rows, "prefill_chunk": engine.prefill_chunk,
                            "gguf_blocks": engine.quantized, "drafter": args.drafter,
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     if tuned:

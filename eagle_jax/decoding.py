@@ -33,36 +33,76 @@ def count_trace(name: str):
     TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
 
 
-def prefill(params, cfg: ModelConfig, tokens_bs, prompt_len_b, cache: KVCache, chunk: int, capture=()):
-    """Run the prompt through the target in chunks of `chunk` tokens.
+def prefill_plan(chunk) -> tuple[int, int]:
+    """A `prefill_chunk` as (big, tail). An int is (chunk, 0): every chunk that long. (big, tail):
+    chunks of `big` tokens while at least 3/4 of one remains, then chunks of `tail` for the rest, so
+    a short prompt (or a long one's remainder) is not padded to a whole big chunk. On a CPU with the
+    few-row kernels a tail chunk of up to 16 tokens runs through them at nearly a big chunk's cost
+    per token (`Engine`'s default there); padding a 40-token prompt to 64 rows would waste 24."""
+    big, tail = (chunk, 0) if isinstance(chunk, (int, np.integer)) else tuple(chunk)
+    if big < 1 or tail < 0 or tail >= big:
+        raise ValueError(f"prefill chunks need big >= 1 and 0 <= tail < big, got {chunk!r}")
+    return int(big), int(tail)
+
+
+def chunk_counts(total, chunk):
+    """(big chunks, tail chunks) that cover `total` tokens under `prefill_plan(chunk)` (traced or not)."""
+    big, tail = prefill_plan(chunk)
+    if not tail:
+        return (total + big - 1) // big, total * 0
+    keep = big - big // 4  # a big chunk runs while at least this many tokens remain
+    n_big = jnp.where(total >= keep, (total - keep) // big + 1, 0)
+    rest = jnp.maximum(total - n_big * big, 0)
+    return n_big, (rest + tail - 1) // tail
+
+
+def run_chunks(body, state, total, chunk):
+    """state = body(state, start, size) over chunks covering [0, total): `prefill_plan(chunk)`'s big
+    chunks, then its tail chunks (`size` is static: each size traces `body` once)."""
+    big, tail = prefill_plan(chunk)
+    n_big, n_tail = chunk_counts(total, chunk)
+    start = jnp.int32(0)
+    for size, n in ((big, n_big), (tail, n_tail)):
+        if not size:
+            continue
+
+        def step(st, size=size):
+            i, start, state = st
+            return i + 1, start + size, body(state, start, size)
+
+        _, start, state = jax.lax.while_loop(lambda st, n=n: st[0] < n, step, (jnp.int32(0), start, state))
+    return state
+
+
+def prefill(params, cfg: ModelConfig, tokens_bs, prompt_len_b, cache: KVCache, chunk, capture=()):
+    """Run the prompt through the target in chunks (`prefill_plan(chunk)`: an int, or (big, tail)).
 
     Returns (cache with length = prompt_len, last-token logits [B, V], captured features per
     capture index [B, S, D] for every prompt position (zeros past the prompt)).
     """
     b, s = tokens_bs.shape
-    n_chunks = (jnp.max(prompt_len_b) + chunk - 1) // chunk
-    padded = jnp.pad(tokens_bs, ((0, 0), (0, chunk)))
+    pad = prefill_plan(chunk)[0]
+    padded = jnp.pad(tokens_bs, ((0, 0), (0, pad)))
     last_idx = prompt_len_b - 1
-    feats0 = tuple(jnp.zeros((b, s + chunk, cfg.hidden_size), cfg.jnp_dtype) for _ in capture)
-    logits0 = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+    feats0 = tuple(jnp.zeros((b, s + pad, cfg.hidden_size), cfg.jnp_dtype) for _ in capture)
+    h0 = jnp.zeros((b, cfg.hidden_size), cfg.jnp_dtype)
 
-    def body(state):
-        i, cache, logits, feats = state
-        start = i * chunk
-        toks = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
-        n_valid = jnp.clip(prompt_len_b - start, 0, chunk)
-        pos = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        out = forward(params, cfg, toks, jnp.broadcast_to(pos, (b, chunk)), cache, capture=capture)
-        rel = jnp.clip(last_idx - start, 0, chunk - 1)
-        h_last = jnp.take_along_axis(out.hidden, rel[:, None, None], axis=1)[:, 0]
-        in_chunk = (last_idx >= start) & (last_idx < start + chunk)
-        logits = jnp.where(in_chunk[:, None], lm_logits(params, cfg, h_last), logits)
+    def body(state, start, size):
+        cache, h_last, feats = state
+        toks = jax.lax.dynamic_slice_in_dim(padded, start, size, axis=1)
+        n_valid = jnp.clip(prompt_len_b - start, 0, size)
+        pos = start + jnp.arange(size, dtype=jnp.int32)[None, :]
+        out = forward(params, cfg, toks, jnp.broadcast_to(pos, (b, size)), cache, capture=capture)
+        rel = jnp.clip(last_idx - start, 0, size - 1)
+        in_chunk = (last_idx >= start) & (last_idx < start + size)
+        h = jnp.take_along_axis(out.hidden, rel[:, None, None], axis=1)[:, 0]
+        h_last = jnp.where(in_chunk[:, None], h.astype(h_last.dtype), h_last)
         feats = tuple(jax.lax.dynamic_update_slice_in_dim(f, c.astype(f.dtype), start, axis=1)
                       for f, c in zip(feats, out.captured))
-        return i + 1, out.cache.advance(n_valid), logits, feats
+        return out.cache.advance(n_valid), h_last, feats
 
-    _, cache, logits, feats = jax.lax.while_loop(
-        lambda st: st[0] < n_chunks, body, (jnp.int32(0), cache, logits0, feats0))
+    cache, h_last, feats = run_chunks(body, (cache, h0, feats0), jnp.max(prompt_len_b), chunk)
+    logits = lm_logits(params, cfg, h_last)  # once, for the last prompt token of every row
     valid = (jnp.arange(s)[None, :] < prompt_len_b[:, None])[..., None]
     feats = tuple(jnp.where(valid, f[:, :s], 0) for f in feats)
     return cache, logits, feats
@@ -93,7 +133,7 @@ def _emit(st: DecodeState, tok, max_new_tokens, eos_ids, s: int):
 
 
 def _start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key,
-           prefill_chunk: int) -> DecodeState:
+           prefill_chunk) -> DecodeState:
     b, s = tokens_bs.shape
     cache = KVCache.create(cfg, b, s)
     cache, logits, _ = prefill(params, cfg, tokens_bs, prompt_len_b, cache, prefill_chunk)
@@ -120,7 +160,7 @@ def _output(st: DecodeState, max_new_tokens) -> GenerateOutput:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"))
 def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
-                    key, prefill_chunk: int = 64) -> GenerateOutput:
+                    key, prefill_chunk=64) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row after each row's prompt.
 
     tokens_bs: [B, S] prompts left-aligned; S is the cache length (static). eos_ids: [E] int32
@@ -138,7 +178,7 @@ def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_t
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"))
 def decode_start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
-                 key, prefill_chunk: int = 64) -> DecodeState:
+                 key, prefill_chunk=64) -> DecodeState:
     """Prefill and the first token; continue with `decode_advance`."""
     count_trace("decode_start")
     return _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
@@ -161,7 +201,7 @@ def decode_output(state: DecodeState, max_new_tokens) -> GenerateOutput:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"), donate_argnames=("state",))
 def decode_refill(params, cfg: ModelConfig, state: DecodeState, rows_r, tokens_rs, prompt_len_r, max_new_tokens,
-                  eos_ids, sp: SamplingParams, key, prefill_chunk: int = 64) -> DecodeState:
+                  eos_ids, sp: SamplingParams, key, prefill_chunk=64) -> DecodeState:
     """Continuous batching: start new prompts in rows `rows_r` of a running batch.
 
     The R prompts (tokens_rs [R, S] with the batch's cache length S; sp for R rows) are prefilled in

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .decoding import count_trace, prefill
+from .decoding import count_trace, prefill, prefill_plan, run_chunks
 from .draft.drafting import Tree, TreeBudget, draft_candidates, draft_tree
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
 from .models.config import ModelConfig
@@ -52,35 +52,34 @@ def _features(captured) -> jax.Array:
 
 
 def draft_prefill(head: DraftHead, target_params, feats_bsf, tokens_bs, prompt_len_b, root_b, cache: KVCache,
-                  chunk: int):
-    """Run the head over prompt positions 0..P-1: feature f_j with token t_{j+1} (t_P = root).
+                  chunk):
+    """Run the head over prompt positions 0..P-1: feature f_j with token t_{j+1} (t_P = root), in the
+    target prefill's chunks (`decoding.prefill_plan`).
 
     Returns (draft cache with length P, h_root [B, d] = the head's output at position P-1)."""
     b, s = tokens_bs.shape
     embed = target_params["embed_tokens"]["embedding"]
     rows = jnp.arange(b)
+    pad = prefill_plan(chunk)[0]
     nxt = jnp.concatenate([tokens_bs[:, 1:], jnp.zeros((b, 1), tokens_bs.dtype)], axis=1)
     nxt = nxt.at[rows, prompt_len_b - 1].set(root_b)
-    nxt = jnp.pad(nxt, ((0, 0), (0, chunk)))
-    feats = jnp.pad(feats_bsf, ((0, 0), (0, chunk), (0, 0)))
+    nxt = jnp.pad(nxt, ((0, 0), (0, pad)))
+    feats = jnp.pad(feats_bsf, ((0, 0), (0, pad), (0, 0)))
     last = prompt_len_b - 1
-    n_chunks = (jnp.max(prompt_len_b) + chunk - 1) // chunk
 
-    def body(st):
-        i, cache, h_root = st
-        start = i * chunk
-        toks = jax.lax.dynamic_slice_in_dim(nxt, start, chunk, axis=1)
-        f = fuse_features(head, jax.lax.dynamic_slice_in_dim(feats, start, chunk, axis=1))
-        pos = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32)[None, :], (b, chunk))
+    def body(state, start, size):
+        cache, h_root = state
+        toks = jax.lax.dynamic_slice_in_dim(nxt, start, size, axis=1)
+        f = fuse_features(head, jax.lax.dynamic_slice_in_dim(feats, start, size, axis=1))
+        pos = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32)[None, :], (b, size))
         h, cache = head_step(head, embed, toks, f, pos, cache)
-        rel = jnp.clip(last - start, 0, chunk - 1)
-        in_chunk = (last >= start) & (last < start + chunk)
+        rel = jnp.clip(last - start, 0, size - 1)
+        in_chunk = (last >= start) & (last < start + size)
         h_root = jnp.where(in_chunk[:, None], h[rows, rel], h_root)
-        return i + 1, cache.advance(jnp.clip(prompt_len_b - start, 0, chunk)), h_root
+        return cache.advance(jnp.clip(prompt_len_b - start, 0, size)), h_root
 
     h0 = jnp.zeros((b, head.cfg.hidden_size), head.cfg.layer.jnp_dtype)
-    _, cache, h_root = jax.lax.while_loop(lambda st: st[0] < n_chunks, body, (jnp.int32(0), cache, h0))
-    return cache, h_root
+    return run_chunks(body, (cache, h0), jnp.max(prompt_len_b), chunk)
 
 
 class SpecState(NamedTuple):
@@ -104,7 +103,7 @@ def _is_eos(t, eos_ids):
 
 
 def _start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens, eos_ids,
-           sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int) -> SpecState:
+           sp: SamplingParams, key, budget: TreeBudget, prefill_chunk) -> SpecState:
     b, s = tokens_bs.shape
     rows = jnp.arange(b)
     capture = target_capture(tcfg, head)
@@ -207,7 +206,7 @@ def _output(st: SpecState) -> SpecOutput:
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
 def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens,
-                         eos_ids, sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int = 64) -> SpecOutput:
+                         eos_ids, sp: SamplingParams, key, budget: TreeBudget, prefill_chunk=64) -> SpecOutput:
     """Generate up to `max_new_tokens` per row with EAGLE speculation (same contract as
     `decoding.generate_tokens`: tokens_bs [B, S] left-aligned prompts, S static)."""
     count_trace("speculative")
@@ -223,7 +222,7 @@ def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, toke
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
 def spec_start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens, eos_ids,
-               sp: SamplingParams, key, budget: TreeBudget, prefill_chunk: int = 64) -> SpecState:
+               sp: SamplingParams, key, budget: TreeBudget, prefill_chunk=64) -> SpecState:
     """Target and head prefill and the first token; continue with `spec_advance`."""
     count_trace("spec_start")
     return _start(target_params, tcfg, head, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, budget,

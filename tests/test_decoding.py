@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from conftest import make_hf_model, twin
-from eagle_jax.decoding import TRACE_COUNTS, cache_length_for, generate_tokens, pack_prompts
+from eagle_jax.decoding import (TRACE_COUNTS, cache_length_for, chunk_counts, generate_tokens, pack_prompts, prefill,
+                                prefill_plan)
+from eagle_jax.engine import parse_prefill_chunk
+from eagle_jax.models.decoder import KVCache, forward, lm_logits
 from eagle_jax.sampling import SamplingParams
 
 NO_EOS = jnp.array([-1], jnp.int32)
@@ -33,6 +36,42 @@ def test_greedy_equals_transformers_generate(name, rng):
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert g == ref
     assert np.asarray(out.num_new).tolist() == [24] * 4
+
+
+def test_prefill_plans_cover_the_prompt_with_little_padding():
+    assert prefill_plan(64) == (64, 0) and prefill_plan((128, 8)) == (128, 8)
+    for bad in (0, (8, 8), (8, 16), (16, -1)):
+        with pytest.raises(ValueError, match="prefill chunks"):
+            prefill_plan(bad)
+    for total in range(0, 400):
+        n_big, n_tail = (int(x) for x in chunk_counts(jnp.int32(total), (128, 8)))
+        rows = 128 * n_big + 8 * n_tail
+        assert rows >= total
+        assert rows - total < (8 if n_tail else 33)  # a big chunk runs only while 96 or more tokens remain
+        assert int(chunk_counts(jnp.int32(total), 64)[0]) == -(-total // 64)
+    assert parse_prefill_chunk("128,8") == (128, 8) and parse_prefill_chunk("64") == 64
+    assert parse_prefill_chunk("64,0") == 64 and parse_prefill_chunk("auto") is None
+    for bad in ("x", "8,8", "1,2,3"):
+        with pytest.raises(ValueError, match="prefill"):
+            parse_prefill_chunk(bad)
+
+
+@pytest.mark.parametrize("chunk", [16, (16, 4), (8, 1), 5])
+def test_prefill_plans_give_the_uncached_logits_and_features(tiny_llama, chunk, rng):
+    """Whatever the chunks (whole, big then tail, one token at a time), prefill's last-token logits
+    and captured features are the uncached forward's."""
+    _, cfg, params = tiny_llama
+    lens = [3, 21, 30]  # 30 under (16, 4): one chunk of 16, then 4 of 4 (the last one partly padding)
+    toks, lens = pack_prompts([list(rng.integers(3, cfg.vocab_size, n)) for n in lens], 48)
+    cache, logits, (feats,) = prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lens),
+                                      KVCache.create(cfg, 3, 48), chunk, capture=(1,))
+    assert np.asarray(cache.length).tolist() == lens.tolist()
+    for i, n in enumerate(lens):
+        ref = forward(params, cfg, jnp.asarray(toks[i:i + 1, :n]), jnp.arange(n)[None], capture=(1,))
+        np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(lm_logits(params, cfg, ref.hidden[0, -1:]))[0],
+                                   rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(feats[i, :n]), np.asarray(ref.captured[0][0]), rtol=0, atol=1e-5)
+        assert not np.asarray(feats[i, n:]).any()
 
 
 def test_stops_at_eos_and_keeps_it(tiny_llama):

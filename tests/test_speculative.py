@@ -38,8 +38,9 @@ def _run(fn, params, cfg, prompts, max_new, eos=(-1,), sp=None, seed=0, cache_le
     toks, lens = pack_prompts(prompts, cache_len)
     sp = sp or SamplingParams.create(len(prompts))
     head = (kw.pop("head"),) if "head" in kw else ()
+    chunk = kw.pop("prefill_chunk", 16)
     return fn(params, cfg, *head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new),
-              jnp.asarray(eos, jnp.int32), sp, jax.random.PRNGKey(seed), prefill_chunk=16, **kw), lens
+              jnp.asarray(eos, jnp.int32), sp, jax.random.PRNGKey(seed), prefill_chunk=chunk, **kw), lens
 
 
 def _rows(out, lens):
@@ -63,6 +64,24 @@ def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, r
         assert acc[i].sum() + 1 >= int(out.num_new[i]) > acc[i].sum() - budget.max_depth - 1
     if head_name == "oracle" and budget is STATIC:  # the rank-0 chain is the target's own greedy chain
         assert all((a[a > 0][:-1] == budget.max_depth + 1).all() for a in acc)
+
+
+def test_prefill_in_big_and_tail_chunks_keeps_speculation_lossless(tiny_llama, rng):
+    """A (big, tail) prefill plan (`decoding.prefill_plan`) runs the target and the head over the
+    prompt in chunks of two sizes: speculative greedy still equals plain greedy, and the head's
+    state at the root is the one whole chunks give."""
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)["eagle3-random"]
+    prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 30)]  # 30: one chunk of 16, 4 of 4
+    ref, lens = _run(generate_tokens, params, cfg, prompts, 30, prefill_chunk=(16, 4))
+    out, _ = _run(speculative_generate, params, cfg, prompts, 30, head=head, budget=DYNAMIC, prefill_chunk=(16, 4))
+    assert _rows(out, lens) == _rows(ref, lens)
+    whole, _ = _run(speculative.spec_start, params, cfg, prompts, 30, head=head, budget=DYNAMIC, prefill_chunk=32)
+    split, _ = _run(speculative.spec_start, params, cfg, prompts, 30, head=head, budget=DYNAMIC,
+                    prefill_chunk=(16, 4))
+    np.testing.assert_allclose(np.asarray(split.h_root), np.asarray(whole.h_root), rtol=1e-5, atol=1e-5)
+    assert np.asarray(split.dcache.length).tolist() == np.asarray(whole.dcache.length).tolist() == [4, 17, 30]
+    assert np.asarray(split.root).tolist() == np.asarray(whole.root).tolist()
 
 
 @pytest.mark.parametrize("head_name,budget", [

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with the CPU kernel: the draft head rounded to bfloat16 for AVX512-BF16 products (b16), "
                         "quantised to Q8_0, or its float16 checkpoint values exactly; auto: b16 where the CPU has "
                         "AVX512-BF16, else q8_0 (the output is the same whichever)")
+    p.add_argument("--prefill-chunk", default="auto",
+                   help="prompt tokens per prefill pass: N, or BIG,TAIL (chunks of BIG while 3/4 of one remains, "
+                        "then of TAIL); auto: 128,8 with the CPU kernel, else 64")
     p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
                    help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
                         "or auto (unroll on CPU, scan elsewhere); the same numbers either way")
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
     if serving:
         return _serve(args, method, budget, tune_path)
 
-    from ..engine import Engine
+    from ..engine import Engine, parse_prefill_chunk
 
     try:
         from .server import SERVING_CACHE_LEN
@@ -171,7 +174,7 @@ def main(argv=None) -> int:
         cache = args.max_cache_len or (SERVING_CACHE_LEN if args.chat else None)
         engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=cache,
                         layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows, method=method,
-                        drafter=args.drafter, budget=budget)
+                        drafter=args.drafter, budget=budget, prefill_chunk=parse_prefill_chunk(args.prefill_chunk))
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         return _fail(str(e))
     if tune_path is not None:
@@ -204,6 +207,7 @@ def main(argv=None) -> int:
 
 
 def _serve(args, method: str, budget, tune_path=None) -> int:
+    from ..engine import parse_prefill_chunk
     from .server import SERVING_CACHE_LEN, ServeOptions, run_server
 
     try:
@@ -215,7 +219,8 @@ def _serve(args, method: str, budget, tune_path=None) -> int:
                             tune_lookups=None if args.lookup is None else (),
                             tune_lookup_ngrams=None if args.lookup_min_ngram is None else (),
                             dtype=args.dtype, layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows,
-                            attention=args.attention, max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
+                            prefill_chunk=parse_prefill_chunk(args.prefill_chunk), attention=args.attention,
+                            max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
                             cache_buckets=buckets,
                             max_active=args.max_active, max_waiting=args.max_waiting,
                             steps_per_turn=args.steps_per_turn,

@@ -55,6 +55,7 @@ class ServeOptions:
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
     matmul: str = "auto"  # weight products: cpu_kernel | xla | auto (Engine's `matmul`)
     draft_rows: str = "auto"  # the head's rows for the CPU kernel: auto | b16 | q8_0 | f16 (Engine's `draft_rows`)
+    prefill_chunk: object = None  # Engine's `prefill_chunk`: N, (big, tail) or None (its default)
     max_cache_len: int = SERVING_CACHE_LEN
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len
     max_active: int = 8
@@ -115,7 +116,8 @@ class ServerState:
                 self._say(f"loading {o.model} (method {method}) ...")
                 self.engine = Engine(o.model, dtype=o.dtype, attention=o.attention, max_cache_len=o.max_cache_len,
                                      layers=o.layers, matmul=o.matmul, draft_rows=o.draft_rows, method=method,
-                                     drafter=o.drafter, budget=o.budget, progress=self.progress)
+                                     drafter=o.drafter, budget=o.budget, progress=self.progress,
+                                     prefill_chunk=o.prefill_chunk)
                 self.model_name = o.served_model_name or self.engine.name
                 if o.tune_path is not None and self.engine.method in ("eagle2", "eagle3"):
                     from ..autotune import tune_and_save
