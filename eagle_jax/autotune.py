@@ -1,5 +1,6 @@
 """Tree-budget autotuning (`--total-tokens auto`): pick the dynamic tree's size and shape for this
-device and this drafter by measurement, as the reference's `total_token=-1` does for the size.
+device and this drafter by measurement, as the reference's `total_token=-1` does for the size (for
+eagle1, the static tree's size: `search_static_budgets` over `tree.static_tree_of_size`).
 
 A candidate is a dynamic tree: N nodes verified per step (root included), `depth` expansion
 steps and `top_k` children per expanded node. For each one measured:
@@ -137,9 +138,41 @@ def _valid(n: int, depth: int, top_k: int, lookup: int = 0, min_ngram: int = 1) 
 
 
 def budget_fields(b: TreeBudget) -> dict:
-    """The JSON fields of a dynamic budget (what `load_budget` reads back)."""
-    return {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k, "lookup": b.lookup,
-            "lookup_min_ngram": b.lookup_min_ngram}
+    """The JSON fields of a budget (what `load_budget` reads back); a static tree's with its paths."""
+    out = {"kind": b.kind, "total_tokens": b.total_tokens, "depth": b.depth, "top_k": b.top_k, "lookup": b.lookup,
+           "lookup_min_ngram": b.lookup_min_ngram}
+    if b.kind == "static":
+        out["paths"] = b.static_tree.to_json()
+    return out
+
+
+def search_static_budgets(sizes, base: TreeBudget, measure: Callable[[TreeBudget], dict],
+                          lookups=()) -> tuple[TreeBudget, list]:
+    """EAGLE-1's search: the static tree of every size in `sizes` (`static_tree_of_size`: 2 to 20
+    nodes; others are skipped) with base's chain, then every chain length of `lookups` on the best
+    one (a static tree gets the chain's rows on top). Returns (the best budget, the rows)."""
+    from .tree import PRIORITY_PATHS, static_tree_of_size
+
+    rows, budgets = [], []
+
+    def run(n, lookup):
+        budget = TreeBudget("static", static_tree=static_tree_of_size(n), lookup=lookup,
+                            lookup_min_ngram=base.lookup_min_ngram)
+        if budget in budgets:
+            return
+        budgets.append(budget)
+        rows.append(dict(measure(budget), **budget_fields(budget)))
+
+    for n in sizes:
+        if 2 <= n <= len(PRIORITY_PATHS) + 1:
+            run(n, base.lookup)
+    if not rows:
+        raise ValueError(f"no candidate size makes a static tree (2 to {len(PRIORITY_PATHS) + 1} nodes): {sizes}")
+    best = lambda: max(range(len(rows)), key=lambda i: rows[i][RANK_KEY])
+    n_best = budgets[best()].static_tree.num_nodes
+    for lookup in lookups:
+        run(n_best, lookup)
+    return budgets[best()], rows
 
 
 def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudget], dict],
@@ -191,8 +224,8 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
     prompt-lookup chains `lookups`, the first of them while sizes and shapes are searched, and the
     chain's shortest n-grams `lookup_ngrams`; empty: not searched, the engine's budget's); set the
     winner as `engine.budgets[method]`; return the record."""
-    if method not in ("eagle2", "eagle3"):
-        raise ValueError(f"autotuning sizes a dynamic tree (eagle2, eagle3); {method} has a static tree")
+    if method not in ("eagle1", "eagle2", "eagle3"):
+        raise ValueError(f"autotuning sizes a draft tree (eagle1, eagle2, eagle3), not {method!r}")
     base = engine.budgets[method]
     if lookups:  # sizes and shapes are searched with the first chain length listed (the default: none)
         base = dataclasses.replace(base, lookup=tuple(lookups)[0])
@@ -225,8 +258,11 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
         return row
 
     sizes = sorted({int(n) for n in candidates})
-    chosen, rows = search_budgets(sizes, tuple(shapes or ()), base, measure, tuple(lookups or ()),
-                                  tuple(lookup_ngrams or ()))
+    if method == "eagle1":  # a static tree: its size and chain (shapes and n-grams are dynamic trees' settings)
+        chosen, rows = search_static_budgets(sizes, base, measure, tuple(lookups or ()))
+    else:
+        chosen, rows = search_budgets(sizes, tuple(shapes or ()), base, measure, tuple(lookups or ()),
+                                      tuple(lookup_ngrams or ()))
     engine.budgets[method] = chosen
     say(f"autotune {method}: chose {describe_budget(chosen)}")
     return {"method": method, "model": engine.name, "device": device_tag(), "budget": budget_fields(chosen),
@@ -250,9 +286,13 @@ def load_budget(path: Path, method: Optional[str] = None) -> TreeBudget:
         b = rec["budget"]
         if method is not None and rec.get("method", method) != method:
             raise ValueError(f"{path} was tuned for {rec['method']}, not {method}")
+        chain = {"lookup": int(b.get("lookup", 0)), "lookup_min_ngram": int(b.get("lookup_min_ngram", 1))}
+        if b.get("kind", "dynamic") == "static":
+            from .tree import StaticTree
+
+            return TreeBudget("static", static_tree=StaticTree.from_json(b["paths"]), **chain)
         return TreeBudget(b.get("kind", "dynamic"), total_tokens=int(b["total_tokens"]), depth=int(b["depth"]),
-                          top_k=int(b["top_k"]), lookup=int(b.get("lookup", 0)),
-                          lookup_min_ngram=int(b.get("lookup_min_ngram", 1)))
+                          top_k=int(b["top_k"]), **chain)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"cannot read a tree budget from {path}: {type(e).__name__}: {e}") from e
 
@@ -283,7 +323,8 @@ def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str],
 
 def describe_budget(budget: TreeBudget) -> str:
     chain = f" (n-grams >= {budget.lookup_min_ngram})" if budget.lookup and budget.lookup_min_ngram > 1 else ""
-    return f"{budget.total_tokens} tokens, depth {budget.depth}, top-k {budget.top_k}, lookup {budget.lookup}{chain}"
+    kind = "static tree: " if budget.kind == "static" else ""
+    return f"{kind}{budget.total_tokens} tokens, depth {budget.depth}, top-k {budget.top_k}, lookup {budget.lookup}{chain}"
 
 
 def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=None, top_k=None,
@@ -323,8 +364,6 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
             log(f"tree budget from {budget_config}: {describe_budget(budget)}")
         return budget, None
     if total_tokens == "auto":
-        if method == "eagle1":
-            raise ValueError("eagle1 uses a static tree; --total-tokens auto applies to eagle2/eagle3")
         path = default_budget_path(model, method, drafter)
         if path.exists():
             budget = load_budget(path, method)
@@ -335,7 +374,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (minutes: each candidate tree "
                 f"is compiled, timed and run on the calibration prompts)")
         return default_budget(method, None, depth, top_k), path
-    if total_tokens is None and depth is None and top_k is None and method != "eagle1":
+    if total_tokens is None and depth is None and top_k is None:
         for path in (default_budget_path(model, method, drafter), packaged_budget_path(model, method, drafter)):
             if path.exists():  # tuned before on this device, else shipped for this platform: the default
                 budget = load_budget(path, method)

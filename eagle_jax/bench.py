@@ -355,7 +355,7 @@ def main(argv=None) -> int:
             sub = Path(spec) / ("eagle3" if m == "eagle3" else "eagle1")
             if sub.is_dir():
                 spec = str(sub)
-            flags = (total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else (None, None, None)
+            flags = (total_tokens, args.depth, args.tree_top_k) if m != "eagle1" else (total_tokens, None, None)
             try:
                 if auto:  # autotune_methods starts from the default tree's depth, top-k and lookup
                     budget = default_budget(m, *flags, lookup=args.lookup)
@@ -413,13 +413,13 @@ def main(argv=None) -> int:
 
 
 def autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_ngrams, log) -> dict:
-    """--total-tokens auto: tune eagle2/eagle3 on the calibration prompts (training prompts, never a
-    benchmark set), generating as many tokens as the benchmark does."""
+    """--total-tokens auto: tune eagle1 (the static tree's size), eagle2 and eagle3 on the calibration
+    prompts (training prompts, never a benchmark set), generating as many tokens as the benchmark does."""
     from .autotune import default_budget_path, tune_and_save
 
     out = {}
     for m in methods:
-        if m in ("eagle2", "eagle3"):
+        if m in SPEC_METHODS:
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
                     else default_budget_path(args.model, m, args.drafter))
             out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,

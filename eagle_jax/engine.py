@@ -29,7 +29,7 @@ from .models.decoder import check_layer_layout, with_layer_layout
 from .models.registry import resolve_model
 from .sampling import SamplingParams, validate_sampling
 from .speculative import speculative_generate
-from .tree import DEFAULT_STATIC_TREE
+from .tree import DEFAULT_STATIC_TREE, static_tree_of_size
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SPEC_METHODS = ("eagle1", "eagle2", "eagle3")
@@ -39,13 +39,16 @@ DEFAULT_LOOKUP = 6  # prompt-lookup chain in the default dynamic tree (tuned and
 def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optional[int] = None,
                    top_k: Optional[int] = None, lookup: Optional[int] = None) -> TreeBudget:
     """CPU-sized trees (verification cost grows fast with tokens on a CPU; see DESIGN.md):
-    eagle1 = the default static tree; eagle2/eagle3 = dynamic, 24 tokens, depth 5, top-k 4 and a
+    eagle1 = the default static tree, or with `total_tokens` N its first N nodes
+    (`tree.static_tree_of_size`); eagle2/eagle3 = dynamic, 24 tokens, depth 5, top-k 4 and a
     prompt-lookup chain of up to `DEFAULT_LOOKUP` of those tokens (at most N - 2; `TreeBudget.lookup`;
     eagle1: none unless asked)."""
     if method == "eagle1":
-        if any(v is not None for v in (total_tokens, depth, top_k)):
-            raise ValueError("eagle1 uses a static tree; --total-tokens/--depth/--tree-top-k apply to eagle2/eagle3")
-        return TreeBudget("static", static_tree=DEFAULT_STATIC_TREE, lookup=lookup or 0)
+        if depth is not None or top_k is not None:
+            raise ValueError("eagle1 uses a static tree; --depth/--tree-top-k apply to eagle2/eagle3 "
+                             "(--total-tokens N picks a static tree of N nodes)")
+        tree = DEFAULT_STATIC_TREE if total_tokens is None else static_tree_of_size(int(total_tokens))
+        return TreeBudget("static", static_tree=tree, lookup=lookup or 0)
     n = total_tokens or 24
     return TreeBudget("dynamic", total_tokens=n, depth=depth or 5, top_k=top_k or 4,
                       lookup=max(0, min(DEFAULT_LOOKUP, n - 2)) if lookup is None else lookup)

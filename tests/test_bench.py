@@ -9,6 +9,7 @@ import eagle_jax
 
 from eagle_jax import bench
 from eagle_jax.engine import Engine
+from eagle_jax.tree import static_tree_of_size
 
 
 def test_counts_tau_and_warmup_exclusion(tiny_hf_dir, monkeypatch):
@@ -263,8 +264,11 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
         resolve_budget("m", "eagle3", "default", None, budget_config=chained, lookup=7)
     with pytest.raises(ValueError, match="not both"):
         resolve_budget("m", "eagle3", "default", 16, budget_config=good)
-    with pytest.raises(ValueError, match="static tree"):
-        resolve_budget("m", "eagle1", "default", "auto")
+    budget, tune = resolve_budget("m", "eagle1", "default", "auto")  # eagle1 tunes its static tree's size
+    assert budget.static_tree.num_nodes == 20 and tune is not None and ".eagle1." in str(tune)
+    assert resolve_budget("m", "eagle1", "default", 4)[0].static_tree == static_tree_of_size(4)
+    with pytest.raises(ValueError, match="--depth"):
+        resolve_budget("m", "eagle1", "default", None, depth=2)
     budget, tune = resolve_budget("m", "eagle3", "default", "auto")  # nothing saved yet: tune into the cache
     assert budget.total_tokens == 24 and tune is not None and str(tune).startswith(str(tmp_path))
     assert resolve_budget("m", "vanilla", "default", "auto") == (None, None)
@@ -288,6 +292,45 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     (tmp_path / "bad.json").write_text('{"budget": {"total_tokens": 8}}')
     with pytest.raises(ValueError, match="bad.json.*depth"):
         load_budget(tmp_path / "bad.json")
+
+
+def test_static_tree_search_and_its_saved_budget(tmp_path):
+    """eagle1's search: each static tree size once (sizes outside 2..20 skipped), then the chains at the
+    best size; the saved record holds the tree's paths and loads back as the same budget."""
+    from eagle_jax.autotune import budget_fields, describe_budget, load_budget, save_budget, search_static_budgets
+    from eagle_jax.draft import TreeBudget
+
+    seen = []
+
+    def measure(b):
+        seen.append((b.num_nodes, b.lookup))
+        return {"expected_speedup": 10 - abs(b.static_tree.num_nodes - 4) + 1.5 * (b.lookup == 2)}
+
+    base = TreeBudget("static", static_tree=static_tree_of_size(20))
+    best, rows = search_static_budgets([1, 2, 3, 4, 6, 40], base, measure, lookups=(0, 2))
+    assert seen == [(2, 0), (3, 0), (4, 0), (6, 0), (6, 2)]  # a static tree's chain rows come on top
+    assert best == TreeBudget("static", static_tree=static_tree_of_size(4), lookup=2)
+    assert rows[2]["paths"] == static_tree_of_size(4).to_json() and rows[2]["kind"] == "static"
+    path = save_budget({"method": "eagle1", "budget": budget_fields(best)}, tmp_path / "eagle1.json")
+    assert load_budget(path, "eagle1") == best
+    assert describe_budget(best).startswith("static tree: 4 tokens")
+    with pytest.raises(ValueError, match="no candidate size"):
+        search_static_budgets([1, 30], base, measure)
+
+
+def test_autotune_sizes_eagle1s_static_tree(tiny_hf_dir, monkeypatch):
+    """The measured search on a real engine: each static tree generates and is profiled, the winner
+    is set on the engine and recorded with its paths."""
+    from eagle_jax import autotune
+
+    engine = Engine(str(tiny_hf_dir), method="eagle1", drafter="random", progress=False)
+    prompts = [engine.encode("w5 w6"), engine.encode("w7")]
+    rec = autotune.autotune_budget(engine, "eagle1", prompts, candidates=(3, 2), lookups=(), max_new_tokens=4, reps=1)
+    assert [r["total_tokens"] for r in rec["candidates"]] == [2, 3]
+    assert all(r["kind"] == "static" and r["tau"] >= 1 and r["step_ms"] > 0 for r in rec["candidates"])
+    best = max(rec["candidates"], key=lambda r: r["expected_speedup"])
+    assert rec["budget"] == {k: best[k] for k in rec["budget"]} and rec["budget"]["paths"] == best["paths"]
+    assert engine.budgets["eagle1"].static_tree == static_tree_of_size(best["total_tokens"])
 
 
 def test_paired_timing_alternates_runs():

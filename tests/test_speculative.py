@@ -66,6 +66,18 @@ def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, r
         assert all((a[a > 0][:-1] == budget.max_depth + 1).all() for a in acc)
 
 
+@pytest.mark.parametrize("k", [1, 2, 4, 10])
+def test_drafting_top_k_is_lax_top_k_ties_included(k, rng):
+    """Drafting's top-k (argmax passes for small k: XLA:CPU turned a top-k in the drafting program into
+    a full sort) gives lax.top_k's values and ids, ties to the lower id."""
+    from eagle_jax.draft.drafting import _top_k_rows
+
+    x = jnp.asarray(rng.integers(-3, 3, (5, 40)).astype(np.float32))  # many ties
+    got, want = _top_k_rows(x, k), jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
 def test_prefill_in_big_and_tail_chunks_keeps_speculation_lossless(tiny_llama, rng):
     """A (big, tail) prefill plan (`decoding.prefill_plan`) runs the target and the head over the
     prompt in chunks of two sizes: speculative greedy still equals plain greedy, and the head's

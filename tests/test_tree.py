@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.tree import (DEFAULT_STATIC_TREE, StaticTree, ancestor_mask, expand_level, is_leaf, level_offset,
+from eagle_jax.tree import (DEFAULT_STATIC_TREE, PRIORITY_PATHS, StaticTree, ancestor_mask, expand_level, is_leaf, level_offset,
                             node_depths, num_candidates, path_to, rerank, retrieve_indices, select_frontier,
-                            tree_buffers, tree_positions)
+                            static_tree_of_size, tree_buffers, tree_positions)
 
 expand_jit = jax.jit(expand_level, static_argnums=(4, 5))
 rerank_jit = jax.jit(rerank, static_argnums=4)
@@ -79,6 +79,22 @@ def test_level_plan_is_consistent(tree):
         covered += p.nodes.tolist()
         prev = p.nodes
     assert covered == list(range(tree.num_nodes))
+
+
+def test_sized_static_trees_are_prefixes_of_the_default_tree():
+    """Every size from 2 to 20 nodes is a tree (each path after its parent), the next size adds one
+    path, and 20 nodes are the default tree."""
+    assert set(PRIORITY_PATHS) == set(DEFAULT_STATIC_TREE.paths) and len(PRIORITY_PATHS) == len(set(PRIORITY_PATHS))
+    prev = set()
+    for n in range(2, 21):
+        tree = static_tree_of_size(n)
+        assert tree.num_nodes == n and prev < set(tree.paths) and len(set(tree.paths) - prev) == 1
+        prev = set(tree.paths)
+    assert static_tree_of_size(20) == DEFAULT_STATIC_TREE
+    assert static_tree_of_size(2).paths == ((0,),) and static_tree_of_size(3).paths == ((0,), (1,))
+    for bad in (1, 21):
+        with pytest.raises(ValueError, match="2 to 20 nodes"):
+            static_tree_of_size(bad)
 
 
 def test_static_tree_is_a_jit_static_argument():

@@ -121,8 +121,32 @@ def _scratch_mask(length_b, max_len: int, scratch_visible_bws, offset_w: int):
     return committed | ((rel >= 0) & (rel < n_scr) & scr)
 
 
-def _log_probs(head, target_params, target_cfg, h):
-    return jax.nn.log_softmax(head_logits(head, target_params, target_cfg, h), axis=-1)
+def _top_k_rows(x_rv, k: int):
+    """`lax.top_k` of each row (the same order: ties to the lower index), as k argmax passes for a
+    small k. Inside a drafting program XLA:CPU lowered some top-k over a large vocabulary to a full
+    sort (42 ms for [2, 49152] on the 2-core Zen 1 VM: an EAGLE-1 head's second static-tree level),
+    where k passes cost a fraction of a millisecond."""
+    if k > 8:
+        return jax.lax.top_k(x_rv, k)
+    rows = jnp.arange(x_rv.shape[0])
+    vals, idx = [], []
+    for _ in range(k):
+        i = jnp.argmax(x_rv, axis=-1).astype(jnp.int32)
+        vals.append(x_rv[rows, i])
+        idx.append(i)
+        x_rv = x_rv.at[rows, i].set(-jnp.inf)
+    return jnp.stack(vals, -1), jnp.stack(idx, -1)
+
+
+def _top_log_probs(head, target_params, target_cfg, h, k: int):
+    """The head's top `k` log-probabilities over its vocabulary and their ids, [..., k] each (the
+    top-k of the logits minus their log-sum-exp: the log-softmax's ranking)."""
+    logits = head_logits(head, target_params, target_cfg, h)
+    flat = logits.reshape(-1, logits.shape[-1])
+    vals, idx = _top_k_rows(flat, k)
+    vals = vals - jax.nn.logsumexp(flat, axis=-1, keepdims=True)
+    shape = (*logits.shape[:-1], k)
+    return vals.reshape(shape), idx.reshape(shape)
 
 
 def draft_dynamic(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,
@@ -139,7 +163,7 @@ def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cach
     k, depth = budget.top_k, budget.depth
     b = h_root_bd.shape[0]
     embed = target_params["embed_tokens"]["embedding"]
-    p0, i0 = jax.lax.top_k(_log_probs(head, target_params, target_cfg, h_root_bd), k)  # B K
+    p0, i0 = _top_log_probs(head, target_params, target_cfg, h_root_bd, k)  # B K
     tok0 = to_target_ids(head, i0)
     n_scr = depth * k
     pos0 = cache.length  # level-1 nodes sit at draft position P (they predict target position P+2)
@@ -150,7 +174,7 @@ def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cach
         mask = _scratch_mask(cache.length, cache.max_len, vis_f, 0)
         h_out, cache = head_step(head, embed, tok_f, h_f, jnp.broadcast_to((pos0 + i)[:, None], (b, k)), cache,
                                  slots, mask)
-        tp, ti = jax.lax.top_k(_log_probs(head, target_params, target_cfg, h_out), k)  # B K K
+        tp, ti = _top_log_probs(head, target_params, target_cfg, h_out, k)  # B K K
         cu = (tp + score_f[:, :, None]).reshape(b, k * k)
         toks = to_target_ids(head, ti).reshape(b, k * k)
         parent = jnp.repeat(cand_f, k, axis=1)  # candidate index of each child's parent
@@ -195,8 +219,7 @@ def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, 
         while a > 0:
             vis[node, slot_of[a]] = True
             a = parents[a]
-    logp = _log_probs(head, target_params, target_cfg, h_root_bd)  # B V
-    top_i = jax.lax.top_k(logp, tree.top_k)[1]  # children of the root by rank
+    top_i = _top_log_probs(head, target_params, target_cfg, h_root_bd, tree.top_k)[1]  # children of the root by rank
     lv1 = np.asarray(levels[0])
     tokens = tokens.at[:, lv1].set(to_target_ids(head, top_i[:, ranks[lv1]]))
     h_prev, parent_pos = h_root_bd, None
@@ -210,7 +233,7 @@ def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, 
                 else jnp.take(h_prev, jnp.asarray(parent_pos), axis=1))
         h_out, cache = head_step(head, embed, tokens[:, nodes_prev], h_in,
                                  jnp.broadcast_to((cache.length + d - 1)[:, None], (b, w)), cache, slots, mask)
-        top_i = jax.lax.top_k(_log_probs(head, target_params, target_cfg, h_out), tree.top_k)[1]  # B W K
+        top_i = _top_log_probs(head, target_params, target_cfg, h_out, tree.top_k)[1]  # B W K
         nodes = np.asarray(levels[d])
         pos_in_prev = {int(x): j for j, x in enumerate(nodes_prev)}
         parent_pos = [pos_in_prev[int(parents[x])] for x in nodes]

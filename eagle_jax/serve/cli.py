@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head: 'default' (packaged), a directory in the released EAGLE layouts, "
                         "'random' (seeded random head) or 'oracle' (the target drafts for itself)")
     p.add_argument("--total-tokens", type=_tokens_arg, default=None,
-                   help="dynamic tree: nodes verified per step (root incl.), or 'auto': the tree (size, depth, "
-                        "top-k) tuned for this model, drafter and device (tuned once and saved if there is none yet)")
+                   help="nodes verified per step (root incl.; eagle1: the static tree's first N nodes), or 'auto': "
+                        "the tree (size, depth, top-k; eagle1: size) tuned for this model, drafter and device "
+                        "(tuned once and saved if there is none yet)")
     p.add_argument("--budget-config", type=Path, default=None,
                    help="a tree budget saved by `python -m eagle_jax.bench --total-tokens auto` (JSON)")
     p.add_argument("--depth", type=int, default=None, help="dynamic tree: expansion steps")

@@ -119,7 +119,7 @@ class ServerState:
                                      drafter=o.drafter, budget=o.budget, progress=self.progress,
                                      prefill_chunk=o.prefill_chunk)
                 self.model_name = o.served_model_name or self.engine.name
-                if o.tune_path is not None and self.engine.method in ("eagle2", "eagle3"):
+                if o.tune_path is not None and self.engine.method != "vanilla":
                     from ..autotune import tune_and_save
 
                     tune_and_save(self.engine, self.engine.method, o.tune_path, log=self._say, drafter=o.drafter,

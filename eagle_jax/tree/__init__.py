@@ -12,12 +12,12 @@ from .buffers import (TreeBuffers, ancestor_mask, effective_parents, is_leaf, no
                       retrieve_indices, tree_buffers, tree_positions)
 from .lookup import graft_chain, lookup_chain
 from .rerank import LevelExpansion, expand_level, level_offset, num_candidates, rerank, select_frontier
-from .static import DEFAULT_STATIC_TREE, Level, StaticTree
+from .static import DEFAULT_STATIC_TREE, PRIORITY_PATHS, Level, StaticTree, static_tree_of_size
 
 __all__ = [
-    "Accepted", "DEFAULT_STATIC_TREE", "Level", "LevelExpansion", "StaticTree", "TreeBuffers",
+    "Accepted", "DEFAULT_STATIC_TREE", "Level", "LevelExpansion", "PRIORITY_PATHS", "StaticTree", "TreeBuffers",
     "accept_from_logits", "ancestor_mask", "effective_parents", "emitted_tokens", "expand_level",
     "graft_chain", "greedy_accept", "is_leaf", "level_offset", "lookup_chain", "node_depths", "num_candidates",
-    "path_to", "path_tokens", "rerank", "retrieve_indices", "sample_accept", "select_frontier", "tree_buffers",
-    "tree_positions",
+    "path_to", "path_tokens", "rerank", "retrieve_indices", "sample_accept", "select_frontier", "static_tree_of_size",
+    "tree_buffers", "tree_positions",
 ]

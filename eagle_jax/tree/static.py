@@ -188,3 +188,20 @@ DEFAULT_STATIC_TREE = StaticTree((
     (0, 0, 0, 0, 0), (0, 0, 0, 1, 0),
     (0, 0, 0, 0, 0, 0),
 ))
+
+# The default tree's paths in the order a smaller verify budget should keep them: each prefix of
+# N - 1 paths is a tree of N nodes (a path comes after its parent). The order follows an estimated
+# path value (a weak head's rank-1 and rank-2 guesses at the first level before its deeper rank-0
+# chain); which prefix pays on a device is measured (`static_tree_of_size`, `autotune`).
+PRIORITY_PATHS = (
+    (0,), (1,), (0, 0), (2,), (0, 0, 0), (0, 1), (1, 0), (3,), (0, 0, 0, 0), (0, 0, 1), (0, 2), (1, 1),
+    (0, 1, 0), (1, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 0, 0, 0, 0, 0), (0, 0, 0, 1, 0),
+)
+
+
+def static_tree_of_size(num_nodes: int) -> StaticTree:
+    """The static tree of `num_nodes` nodes (root included, 2 ≤ N ≤ 20): the first N - 1 paths of
+    `PRIORITY_PATHS`; N = 20 is `DEFAULT_STATIC_TREE`."""
+    if not 2 <= num_nodes <= len(PRIORITY_PATHS) + 1:
+        raise ValueError(f"a sized static tree has 2 to {len(PRIORITY_PATHS) + 1} nodes, got {num_nodes}")
+    return StaticTree(PRIORITY_PATHS[:num_nodes - 1])
