@@ -277,7 +277,7 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     from eagle_jax.kernels import cpu_matmul
 
     budgets = Path(eagle_jax.__file__).parent / "assets" / "budgets"
-    for m in ("eagle2", "eagle3"):
+    for m in ("eagle1", "eagle2", "eagle3"):
         for isa, suffix in [("avx512", "cpu"), ("avx2", "cpu-avx2")]:
             monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda isa=isa: isa)
             packaged = load_budget(budgets / f"smollm2-135m-instruct.{m}.default.{suffix}.json", m)
