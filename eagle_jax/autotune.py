@@ -324,7 +324,8 @@ def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str],
 def describe_budget(budget: TreeBudget) -> str:
     chain = f" (n-grams >= {budget.lookup_min_ngram})" if budget.lookup and budget.lookup_min_ngram > 1 else ""
     kind = "static tree: " if budget.kind == "static" else ""
-    return f"{kind}{budget.total_tokens} tokens, depth {budget.depth}, top-k {budget.top_k}, lookup {budget.lookup}{chain}"
+    return (f"{kind}{budget.total_tokens} tokens, depth {budget.depth}, top-k {budget.top_k}, "
+            f"lookup {budget.lookup}{chain}")
 
 
 def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=None, top_k=None,

@@ -57,8 +57,9 @@ def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optio
 def default_prefill_chunk(cfg) -> int | tuple[int, int]:
     """Prefill chunks: (128, 8) with the CPU kernels (big chunks through XLA's GEMM, the rest of a
     prompt 8 tokens a pass through the few-row kernels, which cost about as much per token; on the
-    2-core Zen 1 VM a 40-token chat prompt's first token came 0.38 → 0.24 s and a 170-token one's
-    1.08 → 0.92 s against chunks of 64), else 64 (an accelerator pads a short prompt cheaply)."""
+    2-core Zen 1 VM the first token of a 36-43-token chat prompt came in 0.33 s against 0.44 with
+    chunks of 64, of a 127-221-token code prompt in 1.05 s against 1.23: README.md), else 64 (an
+    accelerator pads a short prompt cheaply)."""
     return (128, 8) if cfg.matmul_impl == "cpu_kernel" else 64
 
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.tree import (DEFAULT_STATIC_TREE, PRIORITY_PATHS, StaticTree, ancestor_mask, expand_level, is_leaf, level_offset,
-                            node_depths, num_candidates, path_to, rerank, retrieve_indices, select_frontier,
-                            static_tree_of_size, tree_buffers, tree_positions)
+from eagle_jax.tree import (DEFAULT_STATIC_TREE, PRIORITY_PATHS, StaticTree, ancestor_mask, expand_level, is_leaf,
+                            level_offset, node_depths, num_candidates, path_to, rerank, retrieve_indices,
+                            select_frontier, static_tree_of_size, tree_buffers, tree_positions)
 
 expand_jit = jax.jit(expand_level, static_argnums=(4, 5))
 rerank_jit = jax.jit(rerank, static_argnums=4)

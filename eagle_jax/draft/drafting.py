@@ -129,12 +129,15 @@ def _top_k_rows(x_rv, k: int):
     if k > 8:
         return jax.lax.top_k(x_rv, k)
     rows = jnp.arange(x_rv.shape[0])
+    taken = jnp.zeros(x_rv.shape, bool)
     vals, idx = [], []
     for _ in range(k):
-        i = jnp.argmax(x_rv, axis=-1).astype(jnp.int32)
+        left = jnp.where(taken, -jnp.inf, x_rv)
+        best = jnp.max(left, axis=-1, keepdims=True)
+        i = jnp.argmax((left == best) & ~taken, axis=-1).astype(jnp.int32)  # -inf ties too: never one taken
         vals.append(x_rv[rows, i])
         idx.append(i)
-        x_rv = x_rv.at[rows, i].set(-jnp.inf)
+        taken = taken.at[rows, i].set(True)
     return jnp.stack(vals, -1), jnp.stack(idx, -1)
 
 
