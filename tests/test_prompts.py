@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.training import prompts as P
+from eagle_jax.training import distill_files as DF
 from eagle_jax.training import selfdistill as SD
 
 def test_held_out_files_consistent():
@@ -203,7 +204,7 @@ def test_stdlib_code_source_of_this_interpreter(tmp_path):
         f.writelines(json.dumps({"id": p["id"], "conversations": [{"from": "human", "value": p["prompt"]},
                                                                   {"from": "gpt", "value": "def f(): pass"}]}) + "\n"
                      for p in train)
-    gone = SD.stored_ids([str(tmp_path / "*.jsonl.gz")])
+    gone = DF.stored_ids([str(tmp_path / "*.jsonl.gz")])
     assert gone == {p["id"] for p in train}
     counts = {}
     again, _ = SD.collect_prompts(None, ["stdlib-code"], tmp_path, stdlib_code_n=40, seed=1, counts=counts,
@@ -211,7 +212,7 @@ def test_stdlib_code_source_of_this_interpreter(tmp_path):
     assert not {p["id"] for p in again} & gone and counts["stdlib-code"]["available"] >= 38
     assert counts["stdlib-code"]["excluded"] == len(gone)
     with pytest.raises(FileNotFoundError, match="matches no file"):
-        SD.stored_ids([str(tmp_path / "nothing-*.jsonl")])
+        DF.stored_ids([str(tmp_path / "nothing-*.jsonl")])
 
 
 def test_package_code_prompts_from_installed_packages(tmp_path):

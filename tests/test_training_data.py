@@ -11,6 +11,7 @@ import pytest
 
 from eagle_jax.training import data as D
 from eagle_jax.training import prompts as P
+from eagle_jax.training import distill_files as DF
 from eagle_jax.training import selfdistill as SD
 from eagle_jax.training import vocab as V
 
@@ -401,13 +402,13 @@ def test_resume_files_and_splits(tmp_path):
     gen = tmp_path / "generated.jsonl"
     row = lambda i, split: {"id": i, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
                             "source": "s", "split": split, "finish": "stop", "new_tokens": 3}
-    SD.append_jsonl(gen, [row("a", "train"), row("b", "eval")])
+    DF.append_jsonl(gen, [row("a", "train"), row("b", "eval")])
     with open(gen, "a") as f:
         f.write('{"id": "c", "conv')  # a run killed mid-write
-    SD._repair_tail(gen)
-    assert [r["id"] for r in SD.read_jsonl(gen)] == ["a", "b"]
-    SD.append_jsonl(gen, [row("c", "train"), row("a", "train")])
-    counts = SD.write_splits(tmp_path)
+    DF._repair_tail(gen)
+    assert [r["id"] for r in DF.read_jsonl(gen)] == ["a", "b"]
+    DF.append_jsonl(gen, [row("c", "train"), row("a", "train")])
+    counts = DF.write_splits(tmp_path)
     assert counts == {"train": {"s": {"conversations": 2, "reply_tokens": 6, "stop": 2}},
                       "eval": {"s": {"conversations": 1, "reply_tokens": 3, "stop": 1}}}
     convs = D.load_conversations(tmp_path / "train.jsonl", on_error="raise")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The default drafters for SmolLM2-135M-Instruct, end to end (each stage resumes; stages 1–21 ran on
-# this CPU, stages 22 and 23 on lent GPUs):
+# this CPU, stages 22–24 on lent GPUs):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in twenty-three stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in twenty-four stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
@@ -12,9 +12,10 @@
 #      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17
 #      sd14, stage 18 sd15 (stage 19, not packaged, replays four sets beside sd16), stage 20 sd17 +
 #      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (1000 steps of 64 rows on a GPU)
-#      every set plus sd20a, stage 23 (the packaged head: 1988 steps on a GPU) every set up to sd21
+#      every set plus sd20a, stage 23 (1988 steps on a GPU) every set up to sd21, stage 24 (the
+#      packaged head: 3010 steps on a GPU) every set up to sd22
 #      — and an EAGLE-1 head on runs/sd (offline features for EAGLE-3 on the CPU, online for
-#      EAGLE-1 and for stages 22 and 23);
+#      EAGLE-1 and for stages 22–24);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -146,11 +147,15 @@ train/cpu.sh configs/train/smollm2_eagle3_cpu_stage21.json "$@"
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage22.json "$@"
 # sd21 and sd22 (stored): self-instruct conversations (seeds 21 and 22) written on a lent H200 at stop
 # 41 by train/gpu.sh. Stage 23 trains stage 22's head on every set up to sd21: a cosine over 1988
-# steps of 64 rows, 252 s on the H200 (on this CPU about twice stage 22's time, resumable). sd22 waits.
+# steps of 64 rows, 252 s on the H200 (on this CPU about twice stage 22's time, resumable).
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage23.json "$@"
+# Stage 24 (stop 44, on a lent H200 by `train/gpu.sh OUT 0 0`: no new set in the box) trains stage 23's
+# head on every set up to sd22: a cosine over 3010 steps of 64 rows, 383 s on the H200. sd24 (stored;
+# seed 24, written in the same session; there is no sd23) waits for the next stage.
+python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage24.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage23/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage24/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1/export "$dest/smollm2-135m-instruct-eagle1"

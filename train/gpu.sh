@@ -4,13 +4,14 @@
 #      on an H200 24k reply tokens/s, against 1.3k for continuous batching's row-by-row refills;
 #      questions written 512 at a time; ids already in train/data are left out; held-out prompts
 #      are filtered as always) for at most GEN_SECONDS; the replies written by then are kept;
-#   2. train the packaged head on every stored set plus the new one (stage 23's config,
-#      configs/train/smollm2_eagle3_stage23.json, its sets and every other train/data/*.jsonl.gz but
+#   2. train the packaged head on every stored set plus the new one (stage 24's config,
+#      configs/train/smollm2_eagle3_stage24.json, its sets and every other train/data/*.jsonl.gz but
 #      the held-out one, for STEPS steps: target features online, 7.9 steps a second on an H200) for
 #      at most TRAIN_SECONDS, then export it.
 #
 #   train/gpu.sh OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS] [--set section.key=value ...]
-#   (environment: SEED=23 (sd22 is stored), N=12000 questions asked for, ROWS=512 replies decoded at once, QROWS=512,
+#   (GEN_SECONDS=0 skips step 1: training on the stored sets alone)
+#   (environment: SEED=25 (sd24 is stored), N=12000 questions asked for, ROWS=512 replies decoded at once, QROWS=512,
 #    STEPS=1500 training steps of 64 rows,
 #    GEN_PRECISION=highest: the target generates with float32 products, not TF32,
 #    TOTAL_SECONDS: a box for the whole script; training then gets what generation left of it, less
@@ -21,14 +22,15 @@
 # checkpoints, export/). Rerunning the same command continues both steps where they stopped (with
 # STEPS=auto, the rerun keeps the first run's cosine: it reads total_steps from eagle3-gpu/config.json).
 # Lent H200s ran it at stop 38 (stage 22) and at stop 41 (stage 23: TOTAL_SECONDS=550 TRAIN_OVERHEAD=120
-# SEED=21 N=6000 STEPS=auto train/gpu.sh OUT 160 0 --set train.save_every=500; train/README.md).
+# SEED=21 N=6000 STEPS=auto train/gpu.sh OUT 160 0 --set train.save_every=500; train/README.md) and at
+# stop 44 (stage 24: the same with GEN_SECONDS=0, every step of the box on the stored sets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${1:?usage: train/gpu.sh OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS]}
 GEN_SECONDS=${2:-240}
 TRAIN_SECONDS=${3:-240}
-SEED=${SEED:-23}
+SEED=${SEED:-25}
 N=${N:-12000}
 ROWS=${ROWS:-512}
 QROWS=${QROWS:-512}
@@ -40,6 +42,7 @@ mkdir -p "$OUT"
 SD="$OUT/sd$SEED"
 
 status=0
+if (( GEN_SECONDS > 0 )); then
 JAX_DEFAULT_MATMUL_PRECISION=${GEN_PRECISION:-highest} timeout "$GEN_SECONDS" python3 -m eagle_jax.training.selfdistill --out "$SD" --sources self-instruct \
   --self-instruct-n "$N" --self-instruct-batch-size "$QROWS" --seed "$SEED" --seed-topics default,more \
   --batch-size "$ROWS" --no-continuous --max-new-tokens 256 --no-eval \
@@ -47,6 +50,11 @@ JAX_DEFAULT_MATMUL_PRECISION=${GEN_PRECISION:-highest} timeout "$GEN_SECONDS" py
 [[ $status -eq 124 ]] && echo "[gpu.sh] self-distillation stopped after ${GEN_SECONDS}s; its replies so far are kept" >&2
 [[ $status -ne 0 && $status -ne 124 ]] && exit "$status"
 python3 -m eagle_jax.training.selfdistill --out "$SD" --splits-only
+NEW_SET=("$SD/train.jsonl")
+else  # GEN_SECONDS=0: no new set; train on the stored ones (`timeout 0` would never stop)
+  echo "[gpu.sh] GEN_SECONDS=0: no self-distillation, training on the stored sets only" >&2
+  NEW_SET=()
+fi
 if [[ -n ${TOTAL_SECONDS:-} ]]; then
   TRAIN_SECONDS=$(( TOTAL_SECONDS - (SECONDS - T0) - ${TRAIN_OVERHEAD:-100} ))
   (( TRAIN_SECONDS >= 30 )) || { echo "[gpu.sh] TOTAL_SECONDS=$TOTAL_SECONDS leaves no time to train" >&2; exit 1; }
@@ -59,13 +67,13 @@ fi
 [[ $STEPS == auto ]] && STEPS=$(( TRAIN_SECONDS * ${STEPS_PER_SECOND:-7} ))
 echo "[gpu.sh] training for at most ${TRAIN_SECONDS}s, a cosine over $STEPS steps" >&2
 
-BASE=configs/train/smollm2_eagle3_stage23.json
-TRAIN_FILES=$(python3 - "$BASE" "$SD/train.jsonl" <<'PY'
+BASE=configs/train/smollm2_eagle3_stage24.json
+TRAIN_FILES=$(python3 - "$BASE" ${NEW_SET[@]+"${NEW_SET[@]}"} <<'PY'
 import glob, json, sys
 cfg = json.load(open(sys.argv[1]))
 files = cfg["data"]["train"]
 stored = [f for f in sorted(glob.glob("train/data/*.jsonl.gz")) if f not in files and f != cfg["data"]["eval"]]
-print(json.dumps(files + stored + [sys.argv[2]]))
+print(json.dumps(files + stored + sys.argv[2:]))
 PY
 )
 python3 -m eagle_jax.train --config "$BASE" \
