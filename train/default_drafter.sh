@@ -150,7 +150,8 @@ python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage22.json "$@
 # steps of 64 rows, 252 s on the H200 (on this CPU about twice stage 22's time, resumable).
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage23.json "$@"
 # Stage 24 (stop 44, on a lent H200 by `train/gpu.sh OUT 0 0`: no new set in the box) trains stage 23's
-# head on every set up to sd22: a cosine over 3010 steps of 64 rows, 383 s on the H200. sd24 (stored;
+# head on every set up to sd22: a cosine over 3010 steps of 64 rows, 383 s on the H200 (434 s a step
+# on the 2-core AVX2 VM, measured over two steps: about 15 days; train/README.md). sd24 (stored;
 # seed 24, written in the same session; there is no sd23) waits for the next stage.
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage24.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
