@@ -43,14 +43,15 @@ SD="$OUT/sd$SEED"
 
 status=0
 if (( GEN_SECONDS > 0 )); then
-JAX_DEFAULT_MATMUL_PRECISION=${GEN_PRECISION:-highest} timeout "$GEN_SECONDS" python3 -m eagle_jax.training.selfdistill --out "$SD" --sources self-instruct \
-  --self-instruct-n "$N" --self-instruct-batch-size "$QROWS" --seed "$SEED" --seed-topics default,more \
-  --batch-size "$ROWS" --no-continuous --max-new-tokens 256 --no-eval \
-  --exclude-ids-from 'train/data/*.jsonl.gz' || status=$?
-[[ $status -eq 124 ]] && echo "[gpu.sh] self-distillation stopped after ${GEN_SECONDS}s; its replies so far are kept" >&2
-[[ $status -ne 0 && $status -ne 124 ]] && exit "$status"
-python3 -m eagle_jax.training.selfdistill --out "$SD" --splits-only
-NEW_SET=("$SD/train.jsonl")
+  JAX_DEFAULT_MATMUL_PRECISION=${GEN_PRECISION:-highest} timeout "$GEN_SECONDS" \
+    python3 -m eagle_jax.training.selfdistill --out "$SD" --sources self-instruct \
+    --self-instruct-n "$N" --self-instruct-batch-size "$QROWS" --seed "$SEED" --seed-topics default,more \
+    --batch-size "$ROWS" --no-continuous --max-new-tokens 256 --no-eval \
+    --exclude-ids-from 'train/data/*.jsonl.gz' || status=$?
+  [[ $status -eq 124 ]] && echo "[gpu.sh] self-distillation stopped after ${GEN_SECONDS}s; its replies are kept" >&2
+  [[ $status -ne 0 && $status -ne 124 ]] && exit "$status"
+  python3 -m eagle_jax.training.selfdistill --out "$SD" --splits-only
+  NEW_SET=("$SD/train.jsonl")
 else  # GEN_SECONDS=0: no new set; train on the stored ones (`timeout 0` would never stop)
   echo "[gpu.sh] GEN_SECONDS=0: no self-distillation, training on the stored sets only" >&2
   NEW_SET=()

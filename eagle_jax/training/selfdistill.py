@@ -34,14 +34,10 @@ import numpy as np
 
 from . import code_prompts as C
 from . import prompts as P
-from .distill_files import _repair_tail, append_jsonl, read_jsonl, stored_ids, write_splits
+from .distill_files import _log, _repair_tail, append_jsonl, read_jsonl, stored_ids, write_splits
 
 SOURCES = ("humaneval", "evals", "self-instruct", "stdlib-code", "package-code")
 DEFAULT_SOURCES = ("humaneval", "evals", "self-instruct")  # the code sources are asked for by name
-
-
-def _log(msg: str) -> None:
-    print(f"[selfdistill] {msg}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------- prompts
