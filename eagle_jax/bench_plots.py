@@ -31,18 +31,24 @@ def _title(result: dict) -> str:
             f"({', '.join(filter(None, (m.get('cpu_isa'), m.get('jax_backend'))))})")
 
 
-def _grouped_bars(ax, sets: dict, key: str, ylabel: str):
+def _grouped_bars(ax, sets: dict, key: str, ylabel: str, legend_cols: int = 6):
     names = list(sets)
     methods = list(next(iter(sets.values())))
     width = 0.8 / max(len(methods), 1)
+    top = 0.0
     for j, m in enumerate(methods):
         vals = [sets[n][m].get(key) or 0.0 for n in names]
+        top = max(top, *vals)
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
         bars = ax.bar(xs, vals, width, label=m)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8, ncols=min(len(methods), 6))
+    cols = max(1, min(len(methods), legend_cols))
+    legend_rows = -(-len(methods) // cols)
+    # headroom above the tallest bar's label for the legend's rows
+    ax.set_ylim(0, (1.15 + 0.12 * legend_rows) * top if top > 0 else 1.0)
+    ax.legend(fontsize=8, ncols=cols, loc="upper center")
 
 
 def write_plots(result: dict, out_dir: Path) -> list[Path]:
@@ -64,12 +70,13 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     if spec:
         fig, axes = plt.subplots(1, 1 + len(spec), figsize=(4 + 3.5 * len(spec), 4))
         tau_sets = {n: {m: res[m] for m in res if res[m].get("tau") is not None} for n, res in sets.items()}
-        _grouped_bars(axes[0], tau_sets, "tau", "tau (tokens per target pass)")
+        _grouped_bars(axes[0], tau_sets, "tau", "tau (tokens per target pass)", legend_cols=2)  # a narrow panel
         axes[0].set_title("Mean acceptance length", fontsize=9)
         for ax, (m, r) in zip(axes[1:], spec.items()):
             hist = {int(k): v for k, v in r["accept_length_histogram"].items()}
             total = sum(hist.values())
             ax.bar(list(hist), [v / total for v in hist.values()])
+            ax.set_xticks(sorted(hist))  # whole numbers of tokens
             ax.set_xlabel("tokens accepted per step (drafts + bonus)")
             ax.set_ylabel("fraction of steps")
             ax.set_title(f"{m}: tau {r['tau']:.2f}, {total} steps", fontsize=9)
