@@ -12,9 +12,11 @@ steps and `top_k` children per expanded node. For each one measured:
 - cost: `step_profile.profile_spec_step` times one step with it on this device (drafting,
   verification of N tokens, and the rest), and a plain decoding step with its runs alternated
   with the step's;
-- expected speedup = tau × plain step time / step time (and expected tokens/s = tau / step time).
-  The ratio of two times taken side by side holds while a shared machine's speed drifts between
-  candidates, which expected tokens/s alone does not (stops 37 and 40 saw that noise pick trees).
+- expected speedup = tau ÷ (step time ÷ plain step time), that ratio the median over the pairs of
+  back-to-back runs (`step_over_plain`; expected tokens/s = tau / step time). A ratio of two
+  times taken side by side holds while a shared machine's speed drifts between candidates, which
+  expected tokens/s alone does not (stops 37 and 40 saw that noise pick trees); a ratio per pair
+  also holds when the speed changes while one candidate is timed (stop 45).
 
 The search is coordinate-wise (`search_budgets`): every candidate size with the starting depth and
 top-k; then, at the best size, every shape (depth, top-k) of `shapes`; then every length of the
@@ -50,7 +52,7 @@ DEFAULT_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48)
 DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
 DEFAULT_LOOKUPS = (0, 2, 3, 4, 6)  # prompt-lookup chain lengths
 DEFAULT_LOOKUP_NGRAMS = (1, 2, 3)  # the shortest n-gram a chain may be found by
-RANK_KEY = "expected_speedup"  # tau × plain step ms ÷ step ms, both timed side by side
+RANK_KEY = "expected_speedup"  # tau ÷ (step ms ÷ plain step ms), the ratio per pair of runs side by side
 
 
 def budget_dir() -> Path:
@@ -246,9 +248,12 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
         tps, tau = run(method)
         prof = profile_spec_step(engine, method, prompts[0], budget=budget, reps=reps, cache_len=cache_len)
         release_programs()
+        ratio = prof["step_over_plain"]
+        if not ratio > 0:  # no usable pair (a clock too coarse): the ratio of the medians
+            ratio = prof["step_ms"] / prof["plain_ms"]
         row = {"tau": tau, "step_ms": prof["step_ms"], "draft_ms": prof["draft_ms"],
-               "verify_ms": prof["verify_ms"], "plain_step_ms": prof["plain_ms"],
-               "expected_speedup": tau * prof["plain_ms"] / prof["step_ms"],
+               "verify_ms": prof["verify_ms"], "plain_step_ms": prof["plain_ms"], "step_over_plain": ratio,
+               "expected_speedup": tau / ratio,
                "expected_tokens_per_s": 1e3 * tau / prof["step_ms"],
                "measured_tokens_per_s": tps, "measured_speedup": tps / vanilla_tps}
         say(f"autotune {method}: {describe_budget(budget)}: tau {tau:.2f}, "

@@ -113,7 +113,7 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
                 line, = ax.plot(xs, [r["measured_speedup"] for r in rows], "o-", label=f"{tag} measured")
                 ax.plot(xs, [r.get("expected_speedup", r["expected_tokens_per_s"] / rec["vanilla_tokens_per_s"])
                              for r in rows], "x--", color=line.get_color(),
-                        label=f"{tag} expected (tau × plain step ÷ step)" if len(shapes) < 4 else None)
+                        label=f"{tag} expected (tau ÷ (step ÷ plain step))" if len(shapes) < 4 else None)
             ax.axvline(b["total_tokens"], color="gray", lw=0.8, ls=":")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("tree tokens verified per step")

@@ -154,7 +154,7 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     for r in rows:  # ranked by the speedup expected from a plain step timed beside the tree's step
         assert abs(r["expected_tokens_per_s"] - 1e3 * r["tau"] / r["step_ms"]) < 1e-6
         assert r["plain_step_ms"] > 0
-        assert abs(r["expected_speedup"] - r["tau"] * r["plain_step_ms"] / r["step_ms"]) < 1e-9
+        assert r["step_over_plain"] > 0 and abs(r["expected_speedup"] - r["tau"] / r["step_over_plain"]) < 1e-9
     assert f"total_tokens={best['total_tokens']}" in out["settings"]["budgets"]["eagle3"]  # the run used it
     path = default_budget_path(str(tiny_hf_dir), "eagle3", "random")
     saved = load_budget(path, "eagle3")
@@ -339,5 +339,23 @@ def test_paired_timing_alternates_runs():
 
     calls = []
     a, b = (lambda: calls.append("a")), (lambda: calls.append("b"))
-    ma, mb = _paired_median_ms(a, b, 3)
+    ma, mb, _ = _paired_median_ms(a, b, 3)
     assert calls == ["a", "b"] + ["a", "b"] * 3 and ma >= 0 and mb >= 0
+
+
+def test_paired_timing_ratio_is_per_pair(monkeypatch):
+    """The step ÷ plain ratio is the median of each pair's ratio, not the ratio of the medians. Here
+    the step takes twice the plain step throughout, and the machine halves its speed part way
+    through the third pair: the medians are both 2 s (ratio 1), the pairs' ratios 2, 2, 1, 2, 2."""
+    from eagle_jax import step_profile
+
+    durations = iter([0.0, 0.0] + [2, 1, 2, 1, 2, 2, 4, 2, 4, 2])  # two warm-ups, then (step, plain) pairs
+    now = [0.0]
+
+    def run():  # each program's run takes its listed number of seconds
+        now[0] += next(durations)
+
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: now[0])
+    ma, mb, ratio = step_profile._paired_median_ms(run, run, 5)
+    assert (ma, mb) == (2e3, 2e3)  # medians of [2, 2, 2, 4, 4] and [1, 1, 2, 2, 2]: the drift hides the cost
+    assert ratio == 2.0
