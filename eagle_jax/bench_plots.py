@@ -97,31 +97,36 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         written.append(_save(fig, out_dir / "time_split.png"))
 
     tuned = result.get("autotune") or {}
-    if tuned:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for m, rec in tuned.items():
-            shapes = {}  # rows by tree shape (depth, top-k, lookup chain), each a line over tree sizes
-            for r in rec["candidates"]:
-                shapes.setdefault((r.get("depth"), r.get("top_k"), r.get("lookup", 0), r.get("lookup_min_ngram", 1)),
-                                  []).append(r)
-            b = rec["budget"]
-            for (depth, top_k, lookup, least), rows in shapes.items():  # a chain takes rows of the tree: same x
-                rows = sorted(rows, key=lambda r: r["total_tokens"])
-                xs = [r["total_tokens"] for r in rows]
-                tag = ((f"{m} d{depth} k{top_k}" if depth is not None else m) + (f" L{lookup}" if lookup else "")
-                       + (f"n{least}" if lookup and least > 1 else ""))
-                line, = ax.plot(xs, [r["measured_speedup"] for r in rows], "o-", label=f"{tag} measured")
-                ax.plot(xs, [r.get("expected_speedup", r["expected_tokens_per_s"] / rec["vanilla_tokens_per_s"])
-                             for r in rows], "x--", color=line.get_color(),
-                        label=f"{tag} expected (tau ÷ (step ÷ plain step))" if len(shapes) < 4 else None)
-            ax.axvline(b["total_tokens"], color="gray", lw=0.8, ls=":")
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_xlabel("tree tokens verified per step")
-        ax.set_ylabel("tokens/s ÷ vanilla")
-        ax.legend(fontsize=6, ncol=2)
-        ax.set_title("Speedup against tree budget (autotune; x: expected)\n" + _title(result), fontsize=9)
+    if tuned:  # one panel per tuned method, its legend beside it (three methods' shapes in one panel were unreadable)
+        fig, axes = plt.subplots(len(tuned), 1, figsize=(9, 3.2 * len(tuned)), squeeze=False)
+        for ax, (m, rec) in zip(axes[:, 0], tuned.items()):
+            _budget_panel(ax, m, rec)
+        axes[-1, 0].set_xlabel("tree tokens verified per step")
+        fig.suptitle("Speedup against tree budget (autotune: o measured, x expected = tau ÷ (step ÷ plain "
+                     "step); dotted: chosen)\n" + _title(result), fontsize=9)
         written.append(_save(fig, out_dir / "budget.png"))
     return written
+
+
+def _budget_panel(ax, m: str, rec: dict):
+    """One method's autotuning rows: a line per tree shape (depth, top-k, chain) over tree sizes."""
+    shapes = {}
+    for r in rec["candidates"]:
+        shapes.setdefault((r.get("depth"), r.get("top_k"), r.get("lookup", 0), r.get("lookup_min_ngram", 1)),
+                          []).append(r)
+    for (depth, top_k, lookup, least), rows in shapes.items():  # a chain takes rows of the tree: same x
+        rows = sorted(rows, key=lambda r: r["total_tokens"])
+        xs = [r["total_tokens"] for r in rows]
+        tag = ((f"depth {depth}, top-k {top_k}" if depth is not None else "static") + (f", chain {lookup}" if lookup
+               else "") + (f" (n-gram ≥ {least})" if lookup and least > 1 else ""))
+        line, = ax.plot(xs, [r["measured_speedup"] for r in rows], "o-", label=tag)
+        ax.plot(xs, [r.get("expected_speedup", r["expected_tokens_per_s"] / rec["vanilla_tokens_per_s"])
+                     for r in rows], "x--", color=line.get_color())
+    ax.axvline(rec["budget"]["total_tokens"], color="gray", lw=0.8, ls=":")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_ylabel(f"{m}: tokens/s ÷ vanilla", fontsize=8)
+    ax.set_xticks(sorted({r["total_tokens"] for r in rec["candidates"]}))  # whole numbers of tokens
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 def _save(fig, path: Path) -> Path:
