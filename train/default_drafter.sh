@@ -14,7 +14,7 @@
 #      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (1000 steps of 64 rows on a GPU)
 #      every set plus sd20a, stage 23 (1988 steps on a GPU) every set up to sd21, stage 24 (the
 #      packaged head: 3010 steps on a GPU) every set up to sd22
-#      — and an EAGLE-1 head in two stages: on runs/sd, then (stage 2) on every stored set (offline
+#      — and an EAGLE-1 head in three stages: on runs/sd, then (stages 2 and 3) on every stored set (offline
 #      features for EAGLE-3 on the CPU, online for EAGLE-1 and for stages 22–24);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
@@ -158,8 +158,11 @@ train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 # The EAGLE-1 head, stage 2 (stop 46, this CPU: the 2-core AVX2 VM): stage 1's head on every stored set,
 # sd24 included (48598 conversations, packed), target features online, a 220-step cosine (26 s a step).
 train/cpu.sh configs/train/smollm2_eagle1_cpu_stage2.json "$@"
+# Stage 3 (stop 47, this CPU: the 2-core Intel Xeon VM, AVX-512): stage 2's head on every stored set again,
+# a new seed (mostly rows stage 2 did not reach), another 220-step cosine (10 s a step there).
+train/cpu.sh configs/train/smollm2_eagle1_cpu_stage3.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
 cp -r runs/eagle3-stage24/export "$dest/smollm2-135m-instruct-eagle3"
-cp -r runs/eagle1-stage2/export "$dest/smollm2-135m-instruct-eagle1"
+cp -r runs/eagle1-stage3/export "$dest/smollm2-135m-instruct-eagle1"
