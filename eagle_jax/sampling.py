@@ -69,18 +69,46 @@ def _top_k_top_p(logits, top_k, top_p):
     return jnp.where(logits >= thresh, logits, -jnp.inf)
 
 
+_ARGMAX_CHUNK = 128
+
+
+def argmax_last(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first index of the maximum; a NaN, where there is one,
+    counts as the maximum), computed in two stages: the maximum of each chunk of 128 entries, the
+    first chunk holding the overall maximum, then the first maximum inside it. XLA:CPU lowers an
+    argmax to a scalar loop over (value, index) pairs, while chunk maxima vectorise: [5, 49152]
+    logits (a 5-token tree's greedy verification) took 77 µs against 595 on the 2-core Xeon VM,
+    one row 73 against 235. The same function picks greedy tokens in plain and speculative
+    decoding, so both see the same token whatever the ties."""
+    v = x.shape[-1]
+    if v <= 2 * _ARGMAX_CHUNK:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    pad = -v % _ARGMAX_CHUNK  # appended after every real entry: a tie with one never wins
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    if pad:
+        low = False if x.dtype == jnp.bool_ else -jnp.inf if floating else jnp.iinfo(x.dtype).min
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=low)
+    chunks = x.reshape(*x.shape[:-1], -1, _ARGMAX_CHUNK)
+    peak = jnp.max(chunks, axis=-1)  # XLA:CPU's vectorised max may drop a NaN: flagged apart
+    if floating:
+        peak = jnp.where(jnp.any(jnp.isnan(chunks), axis=-1), jnp.nan, peak)
+    best = jnp.argmax(peak, axis=-1)
+    inside = jnp.take_along_axis(chunks, best[..., None, None], axis=-2)[..., 0, :]
+    return (best * _ARGMAX_CHUNK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
+
+
 def target_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
     """The distribution plain decoding samples from: softmax of the filtered logits; one-hot argmax
     for greedy rows. [B, V] float32."""
     filt = filter_logits(logits_bv, sp)
     soft = jax.nn.softmax(filt, axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(logits_bv, axis=-1), logits_bv.shape[-1], dtype=jnp.float32)
+    hard = jax.nn.one_hot(argmax_last(logits_bv), logits_bv.shape[-1], dtype=jnp.float32)
     return jnp.where(sp.greedy[:, None], hard, soft)
 
 
 def sample(key: jax.Array, logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
     """Next token per row [B] int32: argmax for greedy rows, else a draw from the filtered logits."""
-    greedy_tok = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    greedy_tok = argmax_last(logits_bv)
 
     def draw(_):
         drawn = jax.random.categorical(key, filter_logits(logits_bv, sp), axis=-1).astype(jnp.int32)

@@ -12,7 +12,7 @@ from scipy import stats
 
 from eagle_jax.decoding import generate_tokens, pack_prompts
 from eagle_jax.models.decoder import forward, lm_logits
-from eagle_jax.sampling import SamplingParams, filter_logits, target_probs, validate_sampling
+from eagle_jax.sampling import SamplingParams, argmax_last, filter_logits, target_probs, validate_sampling
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
@@ -32,6 +32,34 @@ def test_filter_matches_transformers_warpers(temperature, top_k, top_p, rng):
     got = np.asarray(filter_logits(jnp.asarray(logits), SamplingParams.create(4, temperature, top_p, top_k)))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
     np.testing.assert_allclose(got[np.isfinite(got)], ref[np.isfinite(ref)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3, 49152), (2, 12288), (2, 3, 1000), (5, 257), (4, 100)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "nan", "inf_then_nan", "all_neg_inf", "pos_inf", "bool", "int"])
+def test_argmax_last_is_jnp_argmax(shape, kind):
+    """The chunked argmax every greedy token goes through: the first index of the maximum, a NaN
+    counting as the maximum, in padded and unpadded widths, for floats, bools and ints."""
+    rng = np.random.default_rng(hash((shape, kind)) % 2**32)
+    x = rng.normal(size=shape).astype(np.float32)
+    last = shape[-1]
+    if kind == "ties":
+        x = np.round(x * 2)  # many equal maxima: the first must win
+    elif kind == "nan":
+        x[..., rng.integers(last)] = np.nan
+        x[..., -1] = np.nan
+    elif kind == "inf_then_nan":
+        x[..., 0], x[..., -1] = np.inf, np.nan
+    elif kind == "all_neg_inf":
+        x[:] = -np.inf
+    elif kind == "pos_inf":
+        x[..., 3], x[..., -2] = np.inf, np.inf
+    elif kind == "bool":
+        x = x > 2.0
+    elif kind == "int":
+        x = np.round(x * 3).astype(np.int32)
+    got = np.asarray(jax.jit(argmax_last)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
 
 
 def test_greedy_rows_ignore_filters():

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.decoder import KVCache
+from ..sampling import argmax_last
 from ..tree import StaticTree, rerank
 from .heads import DraftHead, head_logits, head_step, to_target_ids
 
@@ -134,7 +135,7 @@ def _top_k_rows(x_rv, k: int):
     for _ in range(k):
         left = jnp.where(taken, -jnp.inf, x_rv)
         best = jnp.max(left, axis=-1, keepdims=True)
-        i = jnp.argmax((left == best) & ~taken, axis=-1).astype(jnp.int32)  # -inf ties too: never one taken
+        i = argmax_last((left == best) & ~taken)  # -inf ties too: never one taken
         vals.append(x_rv[rows, i])
         idx.append(i)
         taken = taken.at[rows, i].set(True)

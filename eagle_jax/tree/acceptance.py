@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..sampling import SamplingParams, target_probs
+from ..sampling import SamplingParams, argmax_last, target_probs
 from .buffers import ancestor_chains, chains_to_paths, effective_parents
 
 
@@ -142,7 +142,7 @@ def accept_from_logits(key: jax.Array, tokens_bn: jax.Array, parents_bn: jax.Arr
     `sample_accept` on `target_probs` (temperature, top-k, top-p exactly as plain decoding), so
     both kinds of rows are lossless. A batch of greedy rows only skips the sampling work."""
     b, n, v = logits_bnv.shape
-    greedy = greedy_accept(tokens_bn, parents_bn, valid_bn, jnp.argmax(logits_bnv, axis=-1), max_depth)
+    greedy = greedy_accept(tokens_bn, parents_bn, valid_bn, argmax_last(logits_bnv), max_depth)
 
     def sampled(_):
         sp_n = jax.tree.map(lambda x: jnp.repeat(x, n), sp)  # one setting per (row, node)
