@@ -161,8 +161,11 @@ train/cpu.sh configs/train/smollm2_eagle1_cpu_stage2.json "$@"
 # Stage 3 (stop 47, this CPU: the 2-core Intel Xeon VM, AVX-512): stage 2's head on every stored set again,
 # a new seed (mostly rows stage 2 did not reach), another 220-step cosine (10 s a step there).
 train/cpu.sh configs/train/smollm2_eagle1_cpu_stage3.json "$@"
+# Stage 4 (stop 48, the same kind of Xeon VM): stage 3's head, again every stored set, a new seed, a 220-step
+# cosine (about 10 s a step there).
+train/cpu.sh configs/train/smollm2_eagle1_cpu_stage4.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
 cp -r runs/eagle3-stage24/export "$dest/smollm2-135m-instruct-eagle3"
-cp -r runs/eagle1-stage3/export "$dest/smollm2-135m-instruct-eagle1"
+cp -r runs/eagle1-stage4/export "$dest/smollm2-135m-instruct-eagle1"
