@@ -77,8 +77,8 @@ def argmax_last(x: jax.Array) -> jax.Array:
     counts as the maximum), computed in two stages: the maximum of each chunk of 128 entries, the
     first chunk holding the overall maximum, then the first maximum inside it. XLA:CPU lowers an
     argmax to a scalar loop over (value, index) pairs, while chunk maxima vectorise: [5, 49152]
-    logits (a 5-token tree's greedy verification) took 77 µs against 595 on the 2-core Xeon VM,
-    one row 73 against 235. The same function picks greedy tokens in plain and speculative
+    logits (a 5-token tree's greedy verification) took 0.24 ms against 0.60 on the 2-core Xeon VM,
+    one row 0.10 against 0.23. The same function picks greedy tokens in plain and speculative
     decoding, so both see the same token whatever the ties."""
     v = x.shape[-1]
     if v <= 2 * _ARGMAX_CHUNK:

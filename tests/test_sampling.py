@@ -2,6 +2,7 @@
 distributed as the filtered target distribution (a chi-square test that can fail)."""
 
 import itertools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,11 @@ def test_filter_matches_transformers_warpers(temperature, top_k, top_p, rng):
 def test_argmax_last_is_jnp_argmax(shape, kind):
     """The chunked argmax every greedy token goes through: the first index of the maximum, a NaN
     counting as the maximum, in padded and unpadded widths, for floats, bools and ints."""
-    rng = np.random.default_rng(hash((shape, kind)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{shape}{kind}".encode()))
     x = rng.normal(size=shape).astype(np.float32)
     last = shape[-1]
     if kind == "ties":
-        x = np.round(x * 2)  # many equal maxima: the first must win
+        x = np.minimum(np.round(x * 2), 2.0)  # the maximum 2.0 in most chunks: the first must win
     elif kind == "nan":
         x[..., rng.integers(last)] = np.nan
         x[..., -1] = np.nan
