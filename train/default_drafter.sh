@@ -14,7 +14,7 @@
 #      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (1000 steps of 64 rows on a GPU)
 #      every set plus sd20a, stage 23 (1988 steps on a GPU) every set up to sd21, stage 24 (the
 #      packaged head: 3010 steps on a GPU) every set up to sd22
-#      — and an EAGLE-1 head in three stages: on runs/sd, then (stages 2 and 3) on every stored set (offline
+#      — and an EAGLE-1 head in four stages: on runs/sd, then (stages 2 to 4) on every stored set (offline
 #      features for EAGLE-3 on the CPU, online for EAGLE-1 and for stages 22–24);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
