@@ -231,23 +231,31 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
 # ------------------------------------------------------------------ attention over the stacked cache
 @pytest.mark.parametrize("t", [1, 3, 8, 16])
 @pytest.mark.parametrize("kvh,h,d", [(3, 9, 64), (2, 2, 40)])
-def test_cache_attention_matches_reference(t, kvh, h, d):
+@pytest.mark.parametrize("b", [1, 2])  # one row: a tree's queries are split over the threads
+def test_cache_attention_matches_reference(t, kvh, h, d, b):
     from eagle_jax.kernels.cpu_attention import cache_attention
     from eagle_jax.models.layers import dense_attention
 
-    rng = np.random.default_rng(t * 7 + kvh)
-    l, b, s = 3, 2, 100
+    rng = np.random.default_rng(t * 7 + kvh + 100 * b)
+    l, s = 3, 100
     k = rng.standard_normal((l, b, s, kvh, d)).astype(np.float32)
     v = rng.standard_normal((l, b, s, kvh, d)).astype(np.float32)
     q = (3 * rng.standard_normal((b, t, h, d))).astype(np.float32)
     mask = rng.random((b, t, s)) < 0.4
-    mask[1, 0] = False  # a query that sees nothing gets zeros
+    mask[b - 1, 0] = False  # a query that sees nothing gets zeros
     f = _jit(cache_attention)
     for layer in range(l):
         got = np.asarray(f(q, k, v, layer, mask))
         want = np.asarray(dense_attention(q, k[layer], v[layer], mask))
         np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)
-    assert not np.any(got[1, 0])
+    assert not np.any(got[b - 1, 0])
+    # slots no query sees may hold anything (a stale tree, another request's leftovers): NaN there
+    # changes no bit of the result
+    hidden = ~mask.any(axis=1)  # [B, S]
+    k_nan, v_nan = k.copy(), v.copy()
+    k_nan[:, hidden] = np.nan
+    v_nan[:, hidden] = np.nan
+    np.testing.assert_array_equal(np.asarray(f(q, k_nan, v_nan, l - 1, mask)), got)
     # each query depends on its own mask only: alone or among others, the same bits
     whole = np.asarray(f(q, k, v, 1, mask))
     for i in range(t):
@@ -409,14 +417,15 @@ def test_instruction_set_follows_the_cpu_flags_and_the_override(monkeypatch):
 @pytest.mark.skipif(cm.isa() != "avx512", reason="the kernels built here are the AVX2 ones already")
 def test_avx2_kernels_pass_the_same_checks_on_an_avx512_cpu():
     """The AVX2 build (EAGLE_JAX_CPU_KERNEL_ISA=avx2), run where AVX-512 is the default: exact
-    products, row independence, quantized == float32 bit for bit, attention, lossless decoding."""
+    products, row independence, quantized == float32 bit for bit, attention, top-k, lossless decoding."""
     env = {**os.environ, "EAGLE_JAX_CPU_KERNEL_ISA": "avx2"}
     here = Path(__file__).parent
     which = subprocess.run([sys.executable, "-c", "from eagle_jax.kernels import cpu_matmul as cm; print(cm.isa())"],
                            env=env, capture_output=True, text=True, cwd=here)
     assert which.stdout.strip() == "avx2", which.stdout + which.stderr[-2000:]
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", Path(__file__).name, "-k",
-                          "matches_float64 or independent or bit_for_bit or attention_matches or lossless"],
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", Path(__file__).name,
+                          "test_cpu_topk.py", "-k", "matches_float64 or independent or bit_for_bit or attention_matches "
+                          "or lossless or top_k"],
                          env=env, capture_output=True, text=True, cwd=here)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout

@@ -25,6 +25,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "cpu_exp.h"        // exp512 / exp256
 #include "cpu_simd_avx2.h"  // hsum
 
 namespace ffi = xla::ffi;
@@ -33,23 +34,6 @@ namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
 // ---------------------------------------------------------------- AVX-512: 16-float vectors
-// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2].
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // q · k over D floats.
 inline float dot_row(const float* qv, const float* ks, int64_t D) {
   __m512 a = _mm512_setzero_ps();
@@ -89,26 +73,91 @@ inline void axpy(float w, const float* vs, float* a, int64_t D) {
     _mm512_storeu_ps(a + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(vs + d), _mm512_loadu_ps(a + d)));
   for (; d < D; ++d) a[d] += w * vs[d];
 }
-#else
-// ---------------------------------------------------------------- AVX2 + FMA: 8-float vectors
-// The same exp (Cephes' polynomial); 2^n built in the exponent field (n >= -126: a normal number).
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+
+// Lane j of the result: the sum of v[j]'s 16 lanes (a fixed tree of adds, the same for every j):
+// sixteen horizontal sums for 45 shuffles and adds instead of 16 x 8.
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit chunk
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // [a, b, c, d]: each chunk's four lanes summed, vectors 4i..4i+3
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xDD));
 }
 
+// out[j] = (q · k_{s0+j}) * scale for j < n (slots s0 + j, `row` floats apart), j < 16; the rest
+// unspecified. Lane l of each dot sums d = l, l + 16, ... in order (a masked tail past D % 16).
+inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64_t D, float scale, float* out) {
+  __m512 v[16];
+  const int64_t dv = D / 16 * 16;
+  const __mmask16 tail = (__mmask16)((1u << (D % 16)) - 1u);
+  for (int j = 0; j < 16; ++j) {
+    __m512 a = _mm512_setzero_ps();
+    if (j < n) {
+      const float* kr = ks + j * row;
+      for (int64_t d = 0; d < dv; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(kr + d), a);
+      if (tail) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, qv + dv), _mm512_maskz_loadu_ps(tail, kr + dv), a);
+    }
+    v[j] = a;
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
+}
+
+// acc[qi][0, 16 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s for NQ queries, skipping
+// zero weights as axpy's callers do; the accumulators stay in registers (NQ * VD <= 16).
+template <int VD, int NQ>
+void pv_block(const float* p, int64_t sp, int nq, const float* vb, int64_t row, int64_t s_end, float* acc) {
+  __m512 a[NQ][VD];
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < VD; ++j) a[i][j] = i < nq ? _mm512_loadu_ps(acc + (i * VD + j) * 16) : _mm512_setzero_ps();
+  for (int64_t s = 0; s < s_end; ++s) {
+    const float* vs = vb + s * row;
+    __m512 vv[VD];
+    for (int j = 0; j < VD; ++j) vv[j] = _mm512_loadu_ps(vs + 16 * j);
+    for (int i = 0; i < NQ; ++i) {
+      if (i >= nq) break;
+      const float w = p[i * sp + s];
+      if (w == 0.0f) continue;
+      const __m512 wv = _mm512_set1_ps(w);
+      for (int j = 0; j < VD; ++j) a[i][j] = _mm512_fmadd_ps(wv, vv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < nq; ++i)
+    for (int j = 0; j < VD; ++j) _mm512_storeu_ps(acc + (i * VD + j) * 16, a[i][j]);
+}
+
+template <int VD>
+void pv_all(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, float* acc) {
+  constexpr int NQ = 16 / VD < 1 ? 1 : (16 / VD > 4 ? 4 : 16 / VD);
+  for (int64_t q0 = 0; q0 < Q; q0 += NQ)
+    pv_block<VD, NQ>(p + q0 * sp, sp, (int)std::min<int64_t>(NQ, Q - q0), vb, row, s_end, acc + q0 * VD * 16);
+}
+
+// p @ v for Q queries (acc [Q, D], zeroed by the caller): D = 16, 32, ..., 128 in registers, else
+// axpy row by row. Either way each query's sum runs over the slots in ascending order.
+inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
+               float* acc) {
+  switch (D % 16 ? 0 : D / 16) {
+    case 1: return pv_all<1>(p, sp, Q, vb, row, s_end, acc);
+    case 2: return pv_all<2>(p, sp, Q, vb, row, s_end, acc);
+    case 3: return pv_all<3>(p, sp, Q, vb, row, s_end, acc);
+    case 4: return pv_all<4>(p, sp, Q, vb, row, s_end, acc);
+    case 5: return pv_all<5>(p, sp, Q, vb, row, s_end, acc);
+    case 6: return pv_all<6>(p, sp, Q, vb, row, s_end, acc);
+    case 7: return pv_all<7>(p, sp, Q, vb, row, s_end, acc);
+    case 8: return pv_all<8>(p, sp, Q, vb, row, s_end, acc);
+    default:
+      for (int64_t s = 0; s < s_end; ++s)
+        for (int64_t qi = 0; qi < Q; ++qi) {
+          const float w = p[qi * sp + s];
+          if (w != 0.0f) axpy(w, vb + s * row, acc + qi * D, D);
+        }
+  }
+}
+#else
+// ---------------------------------------------------------------- AVX2 + FMA: 8-float vectors
 inline float dot_row(const float* qv, const float* ks, int64_t D) {
   __m256 a = _mm256_setzero_ps();
   int64_t d = 0;
@@ -147,6 +196,20 @@ inline void axpy(float w, const float* vs, float* a, int64_t D) {
     _mm256_storeu_ps(a + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + d), _mm256_loadu_ps(a + d)));
   for (; d < D; ++d) a[d] += w * vs[d];
 }
+
+// The AVX-512 path's interface, one dot and one axpy at a time.
+inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64_t D, float scale, float* out) {
+  for (int j = 0; j < n; ++j) out[j] = dot_row(qv, ks + j * row, D) * scale;
+}
+
+inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
+               float* acc) {
+  for (int64_t s = 0; s < s_end; ++s)
+    for (int64_t qi = 0; qi < Q; ++qi) {
+      const float w = p[qi * sp + s];
+      if (w != 0.0f) axpy(w, vb + s * row, acc + qi * D, D);
+    }
+}
 #endif
 
 struct Job {
@@ -154,15 +217,18 @@ struct Job {
   const bool* mask;
   float* out;
   int64_t B, T, H, Hkv, D, S, layer;
+  int64_t parts = 1;  // query blocks per (row, KV head): tasks = B * Hkv * parts
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // One (row, KV head): its G query heads × T queries against the layer's visible slots.
+  // One (row, KV head, block of queries t0..t1-1): its G query heads x those queries against the
+  // layer's visible slots, the keys and values streamed once for all of them.
   void task(int64_t i) {
-    const int64_t b = i / Hkv, kh = i % Hkv, G = H / Hkv, Q = T * G;
+    const int64_t part = i % parts, b = i / parts / Hkv, kh = i / parts % Hkv, G = H / Hkv;
+    const int64_t t0 = T * part / parts, t1 = T * (part + 1) / parts, Q = (t1 - t0) * G;
     const bool* m = mask + b * T * S;
-    int64_t s_end = 0;  // one past the last slot any query of this row sees
-    for (int64_t t = 0; t < T; ++t)
+    int64_t s_end = 0;  // one past the last slot any of these queries sees
+    for (int64_t t = t0; t < t1; ++t)
       for (int64_t s = S - 1; s >= s_end; --s)
         if (m[t * S + s]) { s_end = s + 1; break; }
     const int64_t row = Hkv * D;  // floats between consecutive slots
@@ -170,23 +236,28 @@ struct Job {
     const float* vb = v + ((layer * B + b) * S) * row + kh * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const int64_t sp = (s_end + 15) / 16 * 16;
-    std::vector<float> p(Q * sp, 0.0f);  // scores, then probabilities
-    std::vector<float> acc(Q * D, 0.0f);
-    // scores: q · k for visible slots (others stay -inf)
+    thread_local std::vector<float> p_buf, acc_buf, denom;
+    p_buf.assign(Q * sp, 0.0f);  // scores, then probabilities
+    acc_buf.assign(Q * D, 0.0f);
+    denom.assign(Q, 0.0f);
+    float* p = p_buf.data();
+    float* acc = acc_buf.data();
+    // scores: q · k for visible slots, 16 at a time (others -inf)
     for (int64_t qi = 0; qi < Q; ++qi) {
-      const int64_t t = qi / G, g = qi % G;
+      const int64_t t = t0 + qi / G, g = qi % G;
       const float* qv = q + ((b * T + t) * H + kh * G + g) * D;
-      float* ps = p.data() + qi * sp;
-      for (int64_t s = 0; s < sp; ++s) ps[s] = -INFINITY;
-      for (int64_t s = 0; s < s_end; ++s) {
-        if (!m[t * S + s]) continue;
-        ps[s] = dot_row(qv, kb + s * row, D) * scale;
+      const bool* mt = m + t * S;
+      float* ps = p + qi * sp;
+      for (int64_t s0 = 0; s0 < sp; s0 += 16) {
+        const int n = (int)std::min<int64_t>(16, s_end - s0);
+        scores16(qv, kb + s0 * row, row, n, D, scale, ps + s0);
+        for (int j = 0; j < 16; ++j)
+          if (j >= n || !mt[s0 + j]) ps[s0 + j] = -INFINITY;
       }
     }
     // softmax per query (unnormalised; divided at the end)
-    std::vector<float> denom(Q, 0.0f);
     for (int64_t qi = 0; qi < Q; ++qi) {
-      float* ps = p.data() + qi * sp;
+      float* ps = p + qi * sp;
       const float mval = row_max(ps, sp);
       if (mval == -INFINITY) {  // no visible key: zeros
         for (int64_t s = 0; s < sp; ++s) ps[s] = 0.0f;
@@ -194,17 +265,9 @@ struct Job {
       }
       denom[qi] = exp_row(ps, sp, mval);
     }
-    // p @ v: each value row is read once for every query
-    for (int64_t s = 0; s < s_end; ++s) {
-      const float* vs = vb + s * row;
-      for (int64_t qi = 0; qi < Q; ++qi) {
-        const float w = p[qi * sp + s];
-        if (w == 0.0f) continue;
-        axpy(w, vs, acc.data() + qi * D, D);
-      }
-    }
+    pv(p, sp, Q, vb, row, s_end, D, acc);  // p @ v, each query's slots in ascending order
     for (int64_t qi = 0; qi < Q; ++qi) {
-      const int64_t t = qi / G, g = qi % G;
+      const int64_t t = t0 + qi / G, g = qi % G;
       float* o = out + ((b * T + t) * H + kh * G + g) * D;
       const float inv = denom[qi] > 0.0f ? 1.0f / denom[qi] : 0.0f;
       for (int64_t d = 0; d < D; ++d) o[d] = acc[qi * D + d] * inv;
@@ -212,7 +275,7 @@ struct Job {
   }
 
   void work() {
-    const int64_t n = B * Hkv;
+    const int64_t n = B * Hkv * parts;
     for (int64_t i; (i = next.fetch_add(1)) < n;) {
       task(i);
       done.fetch_add(1, std::memory_order_release);
@@ -238,14 +301,19 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   if (job->layer < 0 || job->layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
   job->q = q.typed_data(); job->k = k.typed_data(); job->v = v.typed_data();
   job->mask = mask.typed_data(); job->out = out->typed_data();
-  const int64_t tasks = job->B * job->Hkv;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // One query of a short cache (a one-row decoding step) runs inline: waking a helper costs more
   // than the work. Anything more takes the pool's threads, also to keep them awake: a helper idle
   // through a long inline attention wakes late for the o_proj product that follows, which then
   // runs on one thread (a 5-token tree's o_proj took 61 µs a layer against 33 with the helper kept
   // busy; a plain step of 4 rows 20.3-22.1 ms against 18.3-19.9; the 2-core Xeon VM, stop 48).
+  // A tree's queries are cut into blocks so that every thread gets about two tasks: 3 KV heads
+  // over 2 threads took two rounds of whole heads. With that and the 16-slot scores, a 5-token
+  // tree's attention takes 22 µs a layer against 35 (the 2-core Xeon VM, stop 49).
   const bool inline_only = job->B * job->T == 1 && job->S < 4096;
-  const int64_t helpers = inline_only ? 0 : std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  if (!inline_only) job->parts = std::min<int64_t>(job->T, (2 * threads + job->B * job->Hkv - 1) / (job->B * job->Hkv));
+  const int64_t tasks = job->B * job->Hkv * job->parts;
+  const int64_t helpers = inline_only ? 0 : std::min<int64_t>(threads, tasks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
   job->work();
   while (job->done.load(std::memory_order_acquire) < tasks) _mm_pause();
