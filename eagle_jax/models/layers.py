@@ -55,7 +55,15 @@ def rope_cos_sin(cfg: ModelConfig, positions_bt: jax.Array):
     inv = jnp.asarray(cfg.rope_inv_freq())  # [Dh/2]
     freqs = positions_bt.astype(jnp.float32)[..., None] * inv  # B T Dh/2
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if cfg.matmul_impl != "cpu_kernel":
+        return jnp.cos(emb), jnp.sin(emb)
+    # XLA:CPU fuses cos and sin into every layer's rotation of q and k and evaluates them once per
+    # head there (a 5-token tree's q: 13 µs a layer, 3 µs with them computed once). A conditional's
+    # results are buffers, so they are computed here once; both branches are the same, so the
+    # predicate (which XLA cannot fold) changes nothing. Only on the CPU kernel path: a GPU would
+    # read the predicate on the host.
+    both = lambda e: (jnp.cos(e), jnp.sin(e))
+    return jax.lax.cond(jnp.all(positions_bt >= 0), both, both, emb)
 
 
 def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
