@@ -37,9 +37,13 @@ def test_filter_matches_transformers_warpers(temperature, top_k, top_p, rng):
 
 @pytest.mark.parametrize("shape", [(3, 49152), (2, 12288), (2, 3, 1000), (5, 257), (4, 100)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "nan", "inf_then_nan", "all_neg_inf", "pos_inf", "bool", "int"])
-def test_argmax_last_is_jnp_argmax(shape, kind):
+def test_argmax_last_is_jnp_argmax(shape, kind, monkeypatch):
     """The chunked argmax every greedy token goes through: the first index of the maximum, a NaN
-    counting as the maximum, in padded and unpadded widths, for floats, bools and ints."""
+    counting as the maximum, in padded and unpadded widths, for floats, bools and ints. (Float32
+    takes the CPU kernel where it is built: tests/test_cpu_topk.py; here its jnp path.)"""
+    from eagle_jax.kernels import cpu_topk
+
+    monkeypatch.setattr(cpu_topk, "usable", lambda *a, **k: False)
     rng = np.random.default_rng(zlib.crc32(f"{shape}{kind}".encode()))
     x = rng.normal(size=shape).astype(np.float32)
     last = shape[-1]

@@ -126,7 +126,12 @@ def _top_k_rows(x_rv, k: int):
     """`lax.top_k` of each row (the same order: ties to the lower index), as k argmax passes for a
     small k. Inside a drafting program XLA:CPU lowered some top-k over a large vocabulary to a full
     sort (42 ms for [2, 49152] on the 2-core Zen 1 VM: an EAGLE-1 head's second static-tree level),
-    where k passes cost a fraction of a millisecond."""
+    where k passes cost a fraction of a millisecond. On the CPU with the kernels built, one pass of
+    their custom call (`kernels.cpu_topk`, the same order) instead."""
+    from ..kernels import cpu_topk  # imported on use, as sampling does
+
+    if cpu_topk.usable(x_rv, k):
+        return cpu_topk.top_k(x_rv, k)[:2]
     if k > 8:
         return jax.lax.top_k(x_rv, k)
     rows = jnp.arange(x_rv.shape[0])
@@ -145,10 +150,16 @@ def _top_k_rows(x_rv, k: int):
 def _top_log_probs(head, target_params, target_cfg, h, k: int):
     """The head's top `k` log-probabilities over its vocabulary and their ids, [..., k] each (the
     top-k of the logits minus their log-sum-exp: the log-softmax's ranking)."""
+    from ..kernels import cpu_topk
+
     logits = head_logits(head, target_params, target_cfg, h)
     flat = logits.reshape(-1, logits.shape[-1])
-    vals, idx = _top_k_rows(flat, k)
-    vals = vals - jax.nn.logsumexp(flat, axis=-1, keepdims=True)
+    if cpu_topk.usable(flat, k):  # one pass for both (the log-sum-exp to float32 rounding)
+        vals, idx, lse = cpu_topk.top_k(flat, k, with_lse=True)
+        vals = vals - lse[:, None]
+    else:
+        vals, idx = _top_k_rows(flat, k)
+        vals = vals - jax.nn.logsumexp(flat, axis=-1, keepdims=True)
     shape = (*logits.shape[:-1], k)
     return vals.reshape(shape), idx.reshape(shape)
 

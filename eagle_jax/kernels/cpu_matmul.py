@@ -37,15 +37,17 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).with_name("cpu_matmul.cc"), Path(__file__).with_name("cpu_attention.cc"))
-_HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_matmul_avx512.h", "cpu_matmul_avx2.h", "cpu_simd_avx2.h"))
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_topk.cc"))
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_matmul_avx512.h", "cpu_matmul_avx2.h", "cpu_simd_avx2.h",
+                                                       "cpu_exp.h"))
 ISAS = ("avx512", "avx2")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",
             "q8_0": "eagle_jax_matmul_q8_0", "f16": "eagle_jax_matmul_f16", "b16": "eagle_jax_matmul_b16",
-            "attention": "eagle_jax_attention"}
+            "attention": "eagle_jax_attention", "top_k": "eagle_jax_top_k"}
 _SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ41", "q8_0": "EagleMatmulQ80",
-            "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "attention": "EagleAttention"}
+            "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "attention": "EagleAttention",
+            "top_k": "EagleTopK"}
 QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per 32 weights (ggml block layouts)
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (measured on a 2-core Xeon: 16 rows break even)
 ANY_ROWS = 1 << 62  # `matmul(..., max_rows=ANY_ROWS)`: the kernel whatever the row count (a fixed order of sums)
