@@ -166,11 +166,12 @@ def test_b16_packing_rounds_to_nearest_even_and_checks_shapes(monkeypatch):
         cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 16)
 
 
-@pytest.mark.parametrize("rows", ["f16", "q8_0", pytest.param("b16", marks=needs_b16)])
+@pytest.mark.parametrize("rows", ["f16", "q8_0", "q4_1", pytest.param("b16", marks=needs_b16)])
 def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_path, rows):
     """A draft head stored in float16 and loaded under the kernel keeps compact rows beside every
-    Dense kernel: its float16 values exactly ("f16"), or Q8_0 blocks / bfloat16 tiles whose values
-    also replace the float32 kernel ("q8_0", "b16": every path computes with the same weights).
+    Dense kernel: its float16 values exactly ("f16"), or Q8_0 / Q4_1 blocks / bfloat16 tiles whose
+    values also replace the float32 kernel ("q8_0", "q4_1", "b16": every path computes with the same
+    weights).
     Drafting reads them (zeroing them zeroes fc's output), the XLA path agrees (b16: to the
     rounding of x to bfloat16), and decoding stays lossless."""
     from gguf import GGMLQuantizationType
@@ -199,9 +200,10 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
             np.testing.assert_array_equal(cm.unpack_b16(np.asarray(node["b16"]), w.shape[1]), w)
             np.testing.assert_array_equal(w, _bf16(ref["kernel"]))
         else:
-            deq = quants.dequantize(np.asarray(node["q8_0"]), GGMLQuantizationType.Q8_0).astype(np.float32)
+            deq = quants.dequantize(np.asarray(node[rows]), GGMLQuantizationType[rows.upper()]).astype(np.float32)
             np.testing.assert_array_equal(deq.T, w)  # the float32 kernel is the quantised head
-            np.testing.assert_allclose(w, np.asarray(ref["kernel"]), rtol=0, atol=np.abs(w).max() / 100)
+            step = 100 if rows == "q8_0" else 10  # half a step: 1/254 (Q8_0), 1/30 (Q4_1) of a block's range
+            np.testing.assert_allclose(w, np.asarray(ref["kernel"]), rtol=0, atol=np.abs(w).max() / step)
     if rows == "f16":  # float32 values that float16 cannot hold get no rows
         assert "f16" not in attach_draft_rows(jax.tree.map(lambda a: a, head.params), "f16")["fc"]
     with pytest.raises(ValueError, match="draft rows"):
@@ -217,7 +219,8 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     fc = loaded.params["fc"]
-    zeroed = loaded.replace(params=dict(loaded.params, fc=dict(fc, **{rows: jnp.zeros_like(fc[rows])})))
+    zero = {key: jnp.zeros_like(fc[key]) for key in (rows, f"{rows}_scales") if key in fc}  # Q4_1: d * q + m
+    zeroed = loaded.replace(params=dict(loaded.params, fc=dict(fc, **zero)))
     assert np.abs(np.asarray(fuse(zeroed, feats))).max() == 0  # the product read the rows
 
     prompts = [[1, 5, 9, 2], [7, 3]]
@@ -424,8 +427,8 @@ def test_avx2_kernels_pass_the_same_checks_on_an_avx512_cpu():
                            env=env, capture_output=True, text=True, cwd=here)
     assert which.stdout.strip() == "avx2", which.stdout + which.stderr[-2000:]
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", Path(__file__).name,
-                          "test_cpu_topk.py", "-k", "matches_float64 or independent or bit_for_bit or attention_matches "
-                          "or lossless or top_k"],
+                          "test_cpu_topk.py", "-k", "matches_float64 or independent or bit_for_bit or "
+                          "attention_matches or lossless or top_k"],
                          env=env, capture_output=True, text=True, cwd=here)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout

@@ -70,12 +70,14 @@ inline float sum_exp(const float* x, int64_t n, float m) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512 v = _mm512_loadu_ps(x + j);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(v, mv))));
+    const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, mv))));
   }
   if (j < n) {
     const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
     const __m512 v = _mm512_mask_loadu_ps(ninf, tail, x + j);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(v, mv))));
+    const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, mv))));
   }
   return _mm512_reduce_add_ps(sum);
 }

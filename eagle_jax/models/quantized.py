@@ -118,7 +118,7 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
 
 
 
-DRAFT_ROWS = ("auto", "b16", "q8_0", "f16")
+DRAFT_ROWS = ("auto", "b16", "q8_0", "q4_1", "f16")
 
 
 def _with_dense_rows(params, rows_for):
@@ -143,16 +143,26 @@ def attach_q8_0_rows(params):
     and the float32 `kernel` is replaced by those rows dequantised, so every path (the kernel's
     few-row products, XLA's larger ones) computes the same quantised head. A quarter of float32's
     bytes, 53% of float16's; drafting only proposes tokens, so the output stays lossless."""
+    return _attach_quant_rows(params, "q8_0")
+
+
+def attach_q4_1_rows(params):
+    """`attach_q8_0_rows` with GGUF Q4_1 blocks ("q4_1", "q4_1_scales"): 5 bits a weight (59% of
+    Q8_0's bytes), coarser drafts."""
+    return _attach_quant_rows(params, "q4_1")
+
+
+def _attach_quant_rows(params, kind: str):
     from gguf import GGMLQuantizationType, quants
 
-    qt = GGMLQuantizationType.Q8_0
+    qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1}[kind]
 
     def rows_for(w):
         if w.shape[0] % 32:
             return {}
         blocks = quants.quantize(np.ascontiguousarray(w.T), qt)
         return {"kernel": jnp.asarray(np.ascontiguousarray(quants.dequantize(blocks, qt).astype(np.float32).T)),
-                "q8_0": jnp.asarray(blocks), "q8_0_scales": jnp.asarray(block_scales(blocks, "q8_0"))}
+                kind: jnp.asarray(blocks), f"{kind}_scales": jnp.asarray(block_scales(blocks, kind))}
 
     return _with_dense_rows(params, rows_for)
 
@@ -208,4 +218,5 @@ def attach_draft_rows(params, rows: str):
     (`attach_q8_0_rows`), "f16" (`attach_f16_rows`: the stored float16 values, exactly) or "auto"
     (`resolve_draft_rows`)."""
     rows = resolve_draft_rows(rows)
-    return {"b16": attach_b16_rows, "q8_0": attach_q8_0_rows, "f16": attach_f16_rows}[rows](params)
+    return {"b16": attach_b16_rows, "q8_0": attach_q8_0_rows, "q4_1": attach_q4_1_rows,
+            "f16": attach_f16_rows}[rows](params)
