@@ -3,8 +3,9 @@
 // A decoding step or a tree verification attends T queries per row (a few) to one layer of the
 // cache [L, B, S, Hkv, D]. XLA:CPU first copies that layer's keys and values into [B, Hkv, S, D]
 // for its dot kernels (≈ 2.7 ms of a 17 ms SmolLM2 step on a 2-core Xeon, plus ≈ 2 ms of small
-// dots). This kernel reads the cache where it lies: one task per (row b, KV head), each streaming
-// the layer's keys and values once for all T queries and the G query heads that share the KV head.
+// dots). This kernel reads the cache where it lies: one task per (row b, KV head, block of queries),
+// each streaming the layer's keys and values once for its queries and the G query heads that share
+// the KV head; scores 16 slots at a time, p @ v with its accumulators in registers.
 //
 //   eagle_jax_attention: out[B, T, H, D] = softmax(q k^T / sqrt(D), masked) v
 //     q [B, T, H, D] f32, k/v [L, B, S, Hkv, D] f32, layer [] s32, mask [B, T, S] pred
@@ -34,16 +35,6 @@ namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
 // ---------------------------------------------------------------- AVX-512: 16-float vectors
-// q · k over D floats.
-inline float dot_row(const float* qv, const float* ks, int64_t D) {
-  __m512 a = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(ks + d), a);
-  float dot = _mm512_reduce_add_ps(a);
-  for (; d < D; ++d) dot += qv[d] * ks[d];
-  return dot;
-}
-
 // max of ps[0, sp), sp % 16 == 0.
 inline float row_max(const float* ps, int64_t sp) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
