@@ -79,7 +79,7 @@ def argmax_last(x: jax.Array) -> jax.Array:
     argmax to a scalar loop over (value, index) pairs, while chunk maxima vectorise: [5, 49152]
     logits (a 5-token tree's greedy verification) took 0.24 ms against 0.60 on the 2-core Xeon VM,
     one row 0.10 against 0.23. Float32 on the CPU with the kernels built takes their one-pass custom
-    call instead (`kernels.cpu_topk`: the same index, ≈ 4× faster again). The same function picks
+    call instead (`kernels.cpu_topk`: the same index, ≈ 3× faster again). The same function picks
     greedy tokens in plain and speculative decoding, so both see the same token whatever the ties."""
     from .kernels import cpu_topk  # imported on use: kernels/ imports the models, which import this
 

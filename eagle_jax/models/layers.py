@@ -58,7 +58,7 @@ def rope_cos_sin(cfg: ModelConfig, positions_bt: jax.Array):
     if cfg.matmul_impl != "cpu_kernel":
         return jnp.cos(emb), jnp.sin(emb)
     # XLA:CPU fuses cos and sin into every layer's rotation of q and k and evaluates them once per
-    # head there (a 5-token tree's q: 13 µs a layer, 3 µs with them computed once). A conditional's
+    # head there (a 5-token tree's q: 13 µs a layer, 2 µs with them computed once). A conditional's
     # results are buffers, so they are computed here once; both branches are the same, so the
     # predicate (which XLA cannot fold) changes nothing. Only on the CPU kernel path: a GPU would
     # read the predicate on the host.
