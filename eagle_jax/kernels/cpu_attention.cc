@@ -33,6 +33,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// a[0, D) += w * vs[0, D) (defined below for each instruction set).
+inline void axpy(float w, const float* vs, float* a, int64_t D);
+
+// p @ v one value row and query at a time (acc [Q, D], zeroed by the caller): each query's sum
+// runs over the slots in ascending order, zero weights skipped. Either instruction set's `pv`
+// falls back to it.
+inline void pv_by_rows(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
+                       float* acc) {
+  for (int64_t s = 0; s < s_end; ++s)
+    for (int64_t qi = 0; qi < Q; ++qi) {
+      const float w = p[qi * sp + s];
+      if (w != 0.0f) axpy(w, vb + s * row, acc + qi * D, D);
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
 // ---------------------------------------------------------------- AVX-512: 16-float vectors
 // max of ps[0, sp), sp % 16 == 0.
@@ -56,7 +71,6 @@ inline float exp_row(float* ps, int64_t sp, float mval) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// a[0, D) += w * vs[0, D).
 inline void axpy(float w, const float* vs, float* a, int64_t D) {
   const __m512 wv = _mm512_set1_ps(w);
   int64_t d = 0;
@@ -98,7 +112,7 @@ inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64
 }
 
 // acc[qi][0, 16 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s for NQ queries, skipping
-// zero weights as axpy's callers do; the accumulators stay in registers (NQ * VD <= 16).
+// zero weights as pv_by_rows does; the accumulators stay in registers (NQ * VD <= 16).
 template <int VD, int NQ>
 void pv_block(const float* p, int64_t sp, int nq, const float* vb, int64_t row, int64_t s_end, float* acc) {
   __m512 a[NQ][VD];
@@ -140,12 +154,7 @@ inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t r
     case 6: return pv_all<6>(p, sp, Q, vb, row, s_end, acc);
     case 7: return pv_all<7>(p, sp, Q, vb, row, s_end, acc);
     case 8: return pv_all<8>(p, sp, Q, vb, row, s_end, acc);
-    default:
-      for (int64_t s = 0; s < s_end; ++s)
-        for (int64_t qi = 0; qi < Q; ++qi) {
-          const float w = p[qi * sp + s];
-          if (w != 0.0f) axpy(w, vb + s * row, acc + qi * D, D);
-        }
+    default: return pv_by_rows(p, sp, Q, vb, row, s_end, D, acc);
   }
 }
 #else
@@ -196,11 +205,7 @@ inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64
 
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
                float* acc) {
-  for (int64_t s = 0; s < s_end; ++s)
-    for (int64_t qi = 0; qi < Q; ++qi) {
-      const float w = p[qi * sp + s];
-      if (w != 0.0f) axpy(w, vb + s * row, acc + qi * D, D);
-    }
+  pv_by_rows(p, sp, Q, vb, row, s_end, D, acc);
 }
 #endif
 
@@ -229,7 +234,7 @@ struct Job {
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const int64_t sp = (s_end + 15) / 16 * 16;
     thread_local std::vector<float> p_buf, acc_buf, denom;
-    p_buf.assign(Q * sp, 0.0f);  // scores, then probabilities
+    p_buf.resize(Q * sp);  // scores, then probabilities: every entry written below
     acc_buf.assign(Q * D, 0.0f);
     denom.assign(Q, 0.0f);
     float* p = p_buf.data();
