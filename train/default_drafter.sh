@@ -154,6 +154,9 @@ python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage23.json "$@
 # on the 2-core AVX2 VM, measured over two steps: about 15 days; train/README.md). sd24 (stored;
 # seed 24, written in the same session; there is no sd23) waits for the next stage.
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage24.json "$@"
+# Stage 25 (stop 50, on a lent H200 by `train/gpu.sh OUT 0 0` again) trains stage 24's head on every stored
+# set, sd24 included (48598 conversations): a cosine over 3325 steps of 64 rows, 424 s on the H200.
+python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage25.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 # The EAGLE-1 head, stage 2 (stop 46, this CPU: the 2-core AVX2 VM): stage 1's head on every stored set,
 # sd24 included (48598 conversations, packed), target features online, a 220-step cosine (26 s a step).
@@ -167,5 +170,5 @@ train/cpu.sh configs/train/smollm2_eagle1_cpu_stage4.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage24/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage25/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1-stage4/export "$dest/smollm2-135m-instruct-eagle1"
