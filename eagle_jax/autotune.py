@@ -30,9 +30,10 @@ candidates with the highest expected speedup are then timed again (`confirm_fina
 ratio becomes the mean of its two timings) and the best of them wins: the maximum of many noisy
 estimates tends to be one that came out too high (stop 50: a 4-token tree's plain steps timed 13.0
 ms against 10.9–12.4 for every other candidate, which made it the winner at 1.72× expected while
-it measured 114.7 tok/s on the calibration prompts against 123.6 for the runner-up). Plain decoding is timed on the same prompts, so every candidate
-also gets a measured speedup (same run, same prompts). The result is a small JSON config
-(`save_budget` / `load_budget`) that `python -m eagle_jax.serve --budget-config FILE` uses;
+it measured 114.7 tok/s on the calibration prompts against 123.6 for the runner-up). Plain
+decoding is timed on the same prompts, so every candidate also gets a measured speedup (same run,
+same prompts). The result is a small JSON config (`save_budget` / `load_budget`) that
+`python -m eagle_jax.serve --budget-config FILE` uses;
 `python -m eagle_jax.bench --total-tokens auto` writes it, by default to
 `~/.cache/eagle_jax/budgets/<model>.<method>.<drafter>.<device>.json`, where serve and the CLI
 find it by themselves (no tree flags, or `--total-tokens auto`, which tunes when nothing is saved).
@@ -224,12 +225,13 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
 
 
 def confirm_finalists(rows: list, retime: Callable[[int], dict], n: int,
-                      say: Callable[[str], None] = lambda s: None, name: Callable[[int], str] = str) -> int:
+                      say: Callable[[str], None] = lambda s: None,
+                      name: Callable[[int], str] = str) -> int:
     """Time the `n` rows of highest `RANK_KEY` again (`retime(i)` gives a profile of row i's tree:
-    step_ms, plain_ms, step_over_plain), set each one's ratio, step and plain times to the mean of its
-    two timings (`step_over_plain_runs` keeps both) and its expected speedup and tokens/s to match;
-    return the index of the best of them. With fewer than two rows nothing is timed again; `name(i)`
-    labels row i in what `say` is told."""
+    step_ms, plain_ms, step_over_plain; draft_ms and verify_ms where it has them), set each one's
+    ratio and times to the mean of its two timings (`step_over_plain_runs` keeps both) and its
+    expected speedup and tokens/s to match; return the index of the best of them. With fewer than
+    two rows nothing is timed again; `name(i)` labels row i in what `say` is told."""
     order = sorted(range(len(rows)), key=lambda i: rows[i][RANK_KEY], reverse=True)
     if len(order) < 2 or n < 2:
         return order[0]
@@ -240,6 +242,9 @@ def confirm_finalists(rows: list, retime: Callable[[int], dict], n: int,
         row["step_over_plain"] = sum(row["step_over_plain_runs"]) / 2
         row["step_ms"] = (row["step_ms"] + prof["step_ms"]) / 2
         row["plain_step_ms"] = (row["plain_step_ms"] + prof["plain_ms"]) / 2
+        for key in ("draft_ms", "verify_ms"):
+            if key in row and key in prof:
+                row[key] = (row[key] + prof[key]) / 2
         row["expected_speedup"] = row["tau"] / row["step_over_plain"]
         row["expected_tokens_per_s"] = 1e3 * row["tau"] / row["step_ms"]
         say(f"{name(i)}: step/plain {row['step_over_plain_runs'][0]:.3f}, "
