@@ -35,7 +35,9 @@ def test_counts_tau_and_warmup_exclusion(tiny_hf_dir, monkeypatch):
     calls.update(vanilla=0, hf=0)
     timed = bench.run_bench(engine, prompts, ["vanilla", "hf"], max_new_tokens=7)  # + one 1-token run each
     assert calls == {m: 2 * (bench.WARMUP_ROUNDS + len(prompts)) for m in calls}
-    assert all(r["first_token_s"] > 0 and r["loop_tokens_per_s"] > 0 for r in timed.values())
+    # both split figures are there (their arithmetic: test_first_token_split_arithmetic); the loop's may be 0 on
+    # this tiny model, whose 7 tokens can take less than the separate 1-token run on a busy machine
+    assert all(r["first_token_s"] > 0 and r["loop_tokens_per_s"] >= 0 for r in timed.values())
     v, h = res["vanilla"], res["hf"]
     singles = [engine.generate_ids(p, 7) for p in prompts]
     assert v["new_tokens"] == sum(g.new_tokens for g in singles) and v["prompts"] == 3
@@ -55,6 +57,9 @@ def test_first_token_split_arithmetic():
     assert e["loop_tokens_per_s"] == 30 / 1.5 and e["loop_speedup_vs_vanilla"] == 2.0
     assert e["speedup_vs_vanilla"] == (32 / 2.5) / (32 / 4.0)  # end to end, the prefill included
     assert "first_token_s" in bench.markdown_table(out).splitlines()[0]
+    # a 1-token run slower than the whole run adds no negative loop time; all such runs: a rate of 0
+    late = bench.summarize({"vanilla": [row(11, 1.5, 0.5), row(21, 0.4, 0.5)], "hf": [row(3, 0.1, 0.2)]})
+    assert late["vanilla"]["loop_tokens_per_s"] == 30 / 1.0 and late["hf"]["loop_tokens_per_s"] == 0.0
 
 
 def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
@@ -135,7 +140,10 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     # tuned on the calibration prompts (training prompts: never the benchmark's), at the benchmark's length
     assert rec["prompts"] == len(load_prompt_file(CALIBRATION_FILE)) and rec["max_new_tokens"] == 5
     shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"], r["lookup"], r["lookup_min_ngram"])
-    best_of = lambda rs: max(rs, key=lambda r: r["expected_speedup"])
+    # the search ranked by each tree's first timing (the finalists' second comes after it)
+    first_timing = lambda r: r["tau"] / r["step_over_plain_runs"][0] if "step_over_plain_runs" in r \
+        else r["expected_speedup"]
+    best_of = lambda rs: max(rs, key=first_timing)
     # The flags reach the search (whose order test_budget_search_* checks with a fake measure): the
     # size with the default tree's top-k 4 (depth 5, clamped to N - 2) and the first chain listed (0),
     # then shape 1:2, then chain 2 at the best tree so far, then the shortest n-gram 2 if the best tree
@@ -151,7 +159,7 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
     # one release a measured tree (after generating with it), then one a finalist timed again (a profile)
     assert released == [(True, 0)] * len(rows) + [(False, 0)] * min(3, len(rows))
     assert sum(len(r.get("step_over_plain_runs", ())) == 2 for r in rows) == min(3, len(rows))
-    best = best_of([r for r in rows if "step_over_plain_runs" in r])  # the best finalist, after both timings
+    best = max([r for r in rows if "step_over_plain_runs" in r], key=lambda r: r["expected_speedup"])  # both timings
     assert shape(rec["budget"]) == shape(best)
     for r in rows:  # ranked by the speedup expected from a plain step timed beside the tree's step
         assert abs(r["expected_tokens_per_s"] - 1e3 * r["tau"] / r["step_ms"]) < 1e-6
