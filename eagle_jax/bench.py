@@ -266,10 +266,11 @@ def build_parser():
                    help="weight products: the few-row CPU kernel (AVX-512 or AVX2; reads a GGUF model's Q4_1/Q8_0 "
                         "blocks; same float32 results), XLA's dot, or auto (the kernel on an x86-64 CPU where it "
                         "builds)")
-    p.add_argument("--draft-rows", default="auto", choices=("auto", "b16", "q8_0", "q4_1", "f16"),
+    p.add_argument("--draft-rows", default="auto", choices=("auto", "b16", "i8", "q8_0", "q4_1", "f16"),
                    help="with the CPU kernel: the draft heads rounded to bfloat16 for AVX512-BF16 products (b16), "
-                        "quantised to Q8_0 or to Q4_1 (smaller, faster, coarser drafts), or their float16 values "
-                        "exactly; auto: b16 where the CPU has AVX512-BF16, else q8_0")
+                        "to int8 for AVX512-VNNI products (i8), quantised to Q8_0 or to Q4_1 (smaller, faster, "
+                        "coarser drafts), or their float16 values exactly; auto: b16 where the CPU has AVX512-BF16, "
+                        "else i8 where it has AVX512-VNNI, else q8_0")
     p.add_argument("--prefill-chunk", default="auto",
                    help="prompt tokens per prefill pass: N, or BIG,TAIL (chunks of BIG while 3/4 of one remains, "
                         "then of TAIL); auto: 128,8 with the CPU kernel, else 64")

@@ -131,10 +131,11 @@ class Engine:
         result; `models/quantized.py`).
       draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "b16"
         (the head rounded to bfloat16, multiplied by AVX512-BF16 dot instructions: the fastest
-        drafting where the CPU has them), "q8_0" (the head quantised to Q8_0), "q4_1" (to Q4_1:
-        59% of Q8_0's bytes, coarser drafts), "f16" (a float16 checkpoint's own values, exactly)
-        or "auto" (b16 where available, else q8_0). The output stays lossless whichever: the
-        drafts are only proposals.
+        drafting where the CPU has them), "i8" (int8 weights, one scale a column, and rows of x
+        rounded to int8, multiplied by AVX512-VNNI's vpdpbusd), "q8_0" (the head quantised to
+        Q8_0), "q4_1" (to Q4_1: 59% of Q8_0's bytes, coarser drafts), "f16" (a float16
+        checkpoint's own values, exactly) or "auto" (b16 where available, else i8 where
+        available, else q8_0). The output stays lossless whichever: the drafts are only proposals.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", attention: str = "reference",

@@ -157,16 +157,88 @@ def test_b16_packing_rounds_to_nearest_even_and_checks_shapes(monkeypatch):
     assert "b16" not in held["a"] and "b16" in held["b"]  # rows too long for the kernel keep float32
     with pytest.raises(ValueError, match="do not fit"):
         cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 80)
-    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else "q8_0")
+    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else "i8" if cm.i8_available() else "q8_0")
     monkeypatch.setitem(cm._state, "b16", False)  # a CPU without AVX512-BF16
-    assert resolve_draft_rows("auto") == "q8_0"
+    assert resolve_draft_rows("auto") == ("i8" if cm.i8_available() else "q8_0")
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         resolve_draft_rows("b16")
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 16)
 
 
-@pytest.mark.parametrize("rows", ["f16", "q8_0", "q4_1", pytest.param("b16", marks=needs_b16)])
+needs_i8 = pytest.mark.skipif(not cm.i8_available(), reason="the CPU kernel has no AVX512-VNNI here")
+
+
+def _i8_reference(x, packed, scales, n):
+    """What the int8 kernel computes, in numpy: each row of x rounded to int8 by its own scale
+    (max |x| / 127, to nearest even), the integer products summed exactly, then
+    float32(sum) * sx * s[n] in float32."""
+    p = np.asarray(packed)
+    quads = p.transpose(1, 0, 2).reshape(p.shape[1], -1)[:, :n]
+    q = np.stack([(quads >> s) & 0xFF for s in (0, 8, 16, 24)], axis=1).reshape(-1, n).astype(np.int64) - 128
+    out = np.empty((x.shape[0], n), np.float32)
+    for t, row in enumerate(np.asarray(x, np.float32)):
+        m = np.abs(row).max()
+        inv = np.float32(127) / m if m > 0 else np.float32(0)
+        xq = np.clip(np.rint(row * inv), -127, 127).astype(np.int64)
+        out[t] = (xq @ q).astype(np.float32) * (m / np.float32(127)) * np.asarray(scales, np.float32)
+    return out
+
+
+def _i8_step_bound(w, scales):
+    """How far a column's int8 value may lie from w: half a step, plus float32 rounding of the
+    scale, of its inverse and of w * inverse (a few ulps of 127 steps and of the column's max)."""
+    return scales / 2 * (1 + 1e-4) + np.abs(w).max(axis=0) * 2.0 ** -22
+
+
+@needs_i8
+@pytest.mark.parametrize("k,n", [(48, 80), (576, 192), (1536, 48), (16, 16), (64, 37)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_i8_kernel_is_the_int8_product(k, n, m):
+    """Bit for bit the integer product of the rounded rows and weights, scaled: partial tiles
+    (n % 64, n % 16), passes of at most 4 rows, a zero row of x and a zero column of w."""
+    rng = np.random.default_rng(k * 100 + n + m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[m // 2] = 0.0
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, n // 3] = 0.0
+    packed, scales = cm.pack_i8(w)
+    assert packed.shape == (-(-n // cm.I8_TILE), k // 4, cm.I8_TILE) and packed.dtype == np.uint32
+    deq = cm.unpack_i8(packed, scales, n)
+    assert np.all(np.abs(deq - w) <= _i8_step_bound(w, scales)) and not deq[:, n // 3].any()
+    got = np.asarray(_jit(lambda x, p, s: cm.imatmul(x, p, s, n))(x, jnp.asarray(packed), jnp.asarray(scales)))
+    np.testing.assert_array_equal(got, _i8_reference(x, packed, scales, n))
+    assert not got[m // 2].any()
+    ref = x.astype(np.float64) @ w.astype(np.float64)  # and it approximates the float32 product
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_i8_packing_checks_shapes_and_availability(monkeypatch):
+    from eagle_jax.models.quantized import attach_i8_rows, resolve_draft_rows
+
+    w = np.zeros((16, 3), np.float32)
+    w[:4, 0], w[:2, 1] = [127.0, -63.5, 0.5, 1.5], [-2.0, 2.0]  # ties round to even; a symmetric column
+    packed, scales = cm.pack_i8(w)
+    np.testing.assert_array_equal(scales, np.float32([127, 2, 0]) / np.float32(127))
+    np.testing.assert_array_equal(cm.unpack_i8(packed, scales, 3)[:4, 0], [127.0, -64.0, 0.0, 2.0])
+    np.testing.assert_array_equal(cm.unpack_i8(packed, scales, 3)[:2, 1], np.float32([-127, 127]) * scales[1])
+    with pytest.raises(ValueError, match="K % 16"):
+        cm.pack_i8(np.zeros((24, 16), np.float32))
+    held = attach_i8_rows({"a": {"kernel": jnp.ones((24, 16))}, "b": {"kernel": jnp.ones((32, 16))}})
+    assert "i8" not in held["a"] and "i8" in held["b"] and held["b"]["i8_scales"].shape == (16,)
+    with pytest.raises(ValueError, match="do not fit"):
+        cm.imatmul(jnp.zeros((1, 16)), jnp.asarray(packed), jnp.asarray(scales), 80)
+    monkeypatch.setitem(cm._state, "i8", False)  # a CPU without AVX512-VNNI (nor AVX512-BF16)
+    monkeypatch.setitem(cm._state, "b16", False)
+    assert resolve_draft_rows("auto") == "q8_0"
+    with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+        resolve_draft_rows("i8")
+    with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+        cm.imatmul(jnp.zeros((1, 16)), jnp.asarray(packed), jnp.asarray(scales), 3)
+
+
+@pytest.mark.parametrize("rows", ["f16", "q8_0", "q4_1", pytest.param("b16", marks=needs_b16),
+                                  pytest.param("i8", marks=needs_i8)])
 def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_path, rows):
     """A draft head stored in float16 and loaded under the kernel keeps compact rows beside every
     Dense kernel: its float16 values exactly ("f16"), or Q8_0 / Q4_1 blocks / bfloat16 tiles whose
@@ -199,6 +271,10 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
         elif rows == "b16":
             np.testing.assert_array_equal(cm.unpack_b16(np.asarray(node["b16"]), w.shape[1]), w)
             np.testing.assert_array_equal(w, _bf16(ref["kernel"]))
+        elif rows == "i8":
+            scales = np.asarray(node["i8_scales"])
+            np.testing.assert_array_equal(cm.unpack_i8(np.asarray(node["i8"]), scales, w.shape[1]), w)
+            assert np.all(np.abs(w - np.asarray(ref["kernel"])) <= _i8_step_bound(np.asarray(ref["kernel"]), scales))
         else:
             deq = quants.dequantize(np.asarray(node[rows]), GGMLQuantizationType[rows.upper()]).astype(np.float32)
             np.testing.assert_array_equal(deq.T, w)  # the float32 kernel is the quantised head
@@ -215,6 +291,11 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
     if rows == "b16":  # x rounded to bfloat16 (relative error <= 2^-9 per element) against float32 x
         w_fc = np.abs(np.asarray(loaded.params["fc"]["kernel"]))
         bound = 2 ** -9 * (np.abs(np.asarray(feats)).reshape(-1, w_fc.shape[0]) @ w_fc) + 1e-5
+        assert np.all(np.abs(got - want).reshape(bound.shape) <= bound)
+    elif rows == "i8":  # each row of x rounded to int8: off by at most half its step, max |x| / 254
+        w_fc = np.abs(np.asarray(loaded.params["fc"]["kernel"]))
+        x_rows = np.asarray(feats).reshape(-1, w_fc.shape[0])
+        bound = np.abs(x_rows).max(axis=1, keepdims=True) / 254 * w_fc.sum(axis=0) * (1 + 1e-3) + 1e-5
         assert np.all(np.abs(got - want).reshape(bound.shape) <= bound)
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

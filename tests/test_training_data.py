@@ -415,6 +415,20 @@ def test_resume_files_and_splits(tmp_path):
     assert [c["id"] for c in convs] == ["a", "c"] and convs[0]["messages"][1] == {"role": "assistant", "content": "a"}
 
 
+def test_stopped_run_keeps_its_summary(tmp_path, capsys):
+    # what a run writes before generating; a time box then kills it (no final summary)
+    DF.update_summary(tmp_path, model="m", prompts={"self-instruct": {"used": 2}}, complete=False)
+    row = {"id": "a", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
+           "source": "self-instruct", "split": "train", "finish": "length", "new_tokens": 7}
+    DF.append_jsonl(tmp_path / "generated.jsonl", [row])
+    assert SD.main(["--out", str(tmp_path), "--splits-only"]) == 0
+    files = {"train": {"self-instruct": {"conversations": 1, "reply_tokens": 7, "stop": 0}}}
+    assert json.loads(capsys.readouterr().out) == files
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == {"model": "m", "prompts": {"self-instruct": {"used": 2}}, "complete": False, "files": files}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_remap_draft_vocab_keeps_shared_columns_and_fits_new_ones(rng):
     v, d = 60, 8
     emb = rng.normal(size=(v, d)).astype(np.float32)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The default drafters for SmolLM2-135M-Instruct, end to end (each stage resumes; stages 1–21 ran on
-# this CPU, stages 22–24 on lent GPUs):
+# this CPU, stages 22–26 on lent GPUs):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in twenty-four stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in twenty-six stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
@@ -12,10 +12,11 @@
 #      14 sd10 + sd11, stage 15 sd12, sd13 and code1 (code requests), stage 16 code2 and code3, stage 17
 #      sd14, stage 18 sd15 (stage 19, not packaged, replays four sets beside sd16), stage 20 sd17 +
 #      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (1000 steps of 64 rows on a GPU)
-#      every set plus sd20a, stage 23 (1988 steps on a GPU) every set up to sd21, stage 24 (the
-#      packaged head: 3010 steps on a GPU) every set up to sd22
+#      every set plus sd20a, stage 23 (1988 steps on a GPU) every set up to sd21, stage 24 (3010 steps
+#      on a GPU) every set up to sd22, stage 25 (3325) every set up to sd24, stage 26 (the packaged
+#      head: 2142 steps on a GPU) every set up to sd26
 #      — and an EAGLE-1 head in four stages: on runs/sd, then (stages 2 to 4) on every stored set (offline
-#      features for EAGLE-3 on the CPU, online for EAGLE-1 and for stages 22–24);
+#      features for EAGLE-3 on the CPU, online for EAGLE-1 and for stages 22–26);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -157,6 +158,11 @@ python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage24.json "$@
 # Stage 25 (stop 50, on a lent H200 by `train/gpu.sh OUT 0 0` again) trains stage 24's head on every stored
 # set, sd24 included (48598 conversations): a cosine over 3325 steps of 64 rows, 424 s on the H200.
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage25.json "$@"
+# sd26 and sd27 (stored; seeds 26 and 27): self-instruct conversations written on a lent H200 at stop 51 by
+# train/gpu.sh's first step. Stage 26 (the packaged head; `train/gpu.sh OUT 160 0`) trains stage 25's head on
+# every set up to sd26 (54742 conversations): a cosine over 2142 steps of 64 rows, 274 s on the H200. sd27
+# waits for the next stage.
+python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage26.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 # The EAGLE-1 head, stage 2 (stop 46, this CPU: the 2-core AVX2 VM): stage 1's head on every stored set,
 # sd24 included (48598 conversations, packed), target features online, a 220-step cosine (26 s a step).
@@ -170,5 +176,5 @@ train/cpu.sh configs/train/smollm2_eagle1_cpu_stage4.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage25/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage26/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1-stage4/export "$dest/smollm2-135m-instruct-eagle1"

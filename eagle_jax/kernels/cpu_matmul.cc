@@ -14,6 +14,9 @@
 //   eagle_jax_matmul_b16: y = x @ w with w as bfloat16 pairs packed in 64-column tiles (draft heads
 //     only: x is rounded to bfloat16 too and the products use AVX512-BF16's dot instruction, two
 //     multiply-adds per lane and instruction, no exactness; built where the CPU has AVX512-BF16)
+//   eagle_jax_matmul_i8: y = x @ w with w as int8 quads packed in 64-column tiles, one scale a column
+//     (draft heads only: each row of x is rounded to int8 too and AVX512-VNNI's vpdpbusd sums four
+//     products a lane and instruction in int32; built where the CPU has AVX512-VNNI)
 //   eagle_jax_matmul_q4_1 / _q8_0: the same with w as GGUF Q4_1 / Q8_0 rows (uint8 [N, K/32 * 20|34]),
 //     plus their float32 scales, dequantised in registers: a step reads ~120 MiB of SmolLM2's
 //     weights instead of 540 MB.
@@ -44,8 +47,11 @@ constexpr int64_t kQ41Bytes = 20;  // GGUF Q4_1 block: f16 d, f16 m, 16 bytes of
 constexpr int64_t kQ80Bytes = 34;  // GGUF Q8_0 block: f16 d, 32 int8
 constexpr int64_t kB16Tile = 64;   // output columns per packed bfloat16 tile
 constexpr int64_t kB16MaxK = 16384;
+constexpr int64_t kI8Tile = 64;    // output columns per packed int8 tile
+constexpr int64_t kI8MaxK = 16384;
 
-// The block kernels: kn_block, nk_block, h16_block, q_block, b16_block, kRowsW, kQOnePass, kHaveB16.
+// The block kernels: kn_block, nk_block, h16_block, q_block, b16_block, i8_block, kRowsW, kQOnePass,
+// kHaveB16, kHaveI8.
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
 #include "cpu_matmul_avx512.h"
 #else
@@ -83,6 +89,15 @@ BlockFn b16_fn(int t) {  // at most 4 rows a pass (Job::run_chunk): the T x 4 ac
   }
 }
 
+BlockFn i8_fn(int t) {  // at most 4 rows a pass, as b16
+  switch (t) {
+    case 1: return i8_block<1>;
+    case 2: return i8_block<2>;
+    case 3: return i8_block<3>;
+    default: return i8_block<4>;
+  }
+}
+
 template <bool Q4>
 BlockFn q_fn(int t) {
   switch (t) {
@@ -102,15 +117,15 @@ BlockFn q_fn(int t) {
 }
 
 // Rows of x per pass over the weights for M rows.
-inline int64_t row_group(int64_t M, bool b16, bool quantized) {
-  if (b16) return 4;
+inline int64_t row_group(int64_t M, bool tiles, bool quantized) {
+  if (tiles) return 4;  // b16 / i8
   if (!quantized) return 8;
   if (M <= kQOnePass) return M;
   const int64_t passes = (M + 7) / 8;
   return (M + passes - 1) / passes;  // balanced: 13-16 rows as two passes of 7 or 8
 }
 
-enum class Kind { kKN, kNK, kQ41, kQ80, kH16, kB16 };
+enum class Kind { kKN, kNK, kQ41, kQ80, kH16, kB16, kI8 };
 
 struct Job {
   const float* x;
@@ -124,11 +139,12 @@ struct Job {
 
   void run_chunk(int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-    const int64_t group = row_group(M, kind == Kind::kB16, kind == Kind::kQ41 || kind == Kind::kQ80);
+    const int64_t group =
+        row_group(M, kind == Kind::kB16 || kind == Kind::kI8, kind == Kind::kQ41 || kind == Kind::kQ80);
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const int t = (int)std::min<int64_t>(group, M - m0);
       BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t) : kind == Kind::kH16 ? h16_fn(t)
-                : kind == Kind::kB16 ? b16_fn(t)
+                : kind == Kind::kB16 ? b16_fn(t) : kind == Kind::kI8 ? i8_fn(t)
                 : kind == Kind::kQ41 ? q_fn<true>(t) : q_fn<false>(t);
       f(x + m0 * K, static_cast<const float*>(w), scales, y + m0 * N, K, N, n0, n1);
     }
@@ -152,13 +168,14 @@ void Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scal
     return v && *v ? std::max<int64_t>(1, std::atoll(v)) : INT64_MAX;
   }();
   const int64_t threads = std::min(max_threads, std::max<int64_t>(1, pool.num_threads()));
-  const int64_t align = kind == Kind::kKN ? 16 : kind == Kind::kB16 ? kB16Tile : 4;
+  const bool tiles = kind == Kind::kB16 || kind == Kind::kI8;  // kB16Tile == kI8Tile
+  const int64_t align = kind == Kind::kKN ? 16 : tiles ? kB16Tile : 4;
   // Row-wise kinds (nk, quantized) take many small chunks: a helper thread that wakes late finds
   // little left to do, and the caller never waits for more than one chunk after its own. kn
   // streams every row of w across its chunk's columns, so its chunks stay wide.
   const int64_t chunks = threads == 1 ? 1
       : kind == Kind::kKN ? std::min<int64_t>(2 * threads, std::max<int64_t>(1, N / 256))
-      : kind == Kind::kB16 ? std::min<int64_t>(8 * threads, (N + kB16Tile - 1) / kB16Tile)
+      : tiles ? std::min<int64_t>(8 * threads, (N + kB16Tile - 1) / kB16Tile)
                           : std::min<int64_t>(8 * threads, std::max<int64_t>(1, N / 64));
   int64_t chunk = (N + chunks - 1) / chunks;
   chunk = (chunk + align - 1) / align * align;
@@ -215,9 +232,24 @@ ffi::Error BMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+ffi::Error I8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> w, ffi::Buffer<ffi::F32> sc,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  if (!kHaveI8) return ffi::Error::Internal("built without AVX512-VNNI: eagle_jax_matmul_i8 is unavailable");
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = sc.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("x [M, K], w [tiles, K/4, 64], scales [N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (K % 16 || K > kI8MaxK || wd[1] != K / 4 || wd[2] != kI8Tile || wd[0] != (N + kI8Tile - 1) / kI8Tile
+      || sd[0] != N)
+    return ffi::Error::InvalidArgument("int8 tiles do not fit x and y (K % 16 == 0, K <= 16384, N scales)");
+  Run(pool, x.typed_data(), w.untyped_data(), sc.typed_data(), y->typed_data(), M, K, N, Kind::kI8);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" int eagle_jax_has_b16() { return kHaveB16 ? 1 : 0; }
+extern "C" int eagle_jax_has_i8() { return kHaveI8 ? 1 : 0; }
 
 #define EAGLE_F32_HANDLER(NAME, NK)                                                                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, [](ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,               \
@@ -241,6 +273,10 @@ EAGLE_Q_HANDLER(EagleMatmulQ80, false);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulB16, BMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulI8, I8Matmul,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulF16, HMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());

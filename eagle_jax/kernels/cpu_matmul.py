@@ -44,9 +44,9 @@ ISAS = ("avx512", "avx2")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",
             "q8_0": "eagle_jax_matmul_q8_0", "f16": "eagle_jax_matmul_f16", "b16": "eagle_jax_matmul_b16",
-            "attention": "eagle_jax_attention", "top_k": "eagle_jax_top_k"}
+            "i8": "eagle_jax_matmul_i8", "attention": "eagle_jax_attention", "top_k": "eagle_jax_top_k"}
 _SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ41", "q8_0": "EagleMatmulQ80",
-            "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "attention": "EagleAttention",
+            "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "i8": "EagleMatmulI8", "attention": "EagleAttention",
             "top_k": "EagleTopK"}
 QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per 32 weights (ggml block layouts)
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (measured on a 2-core Xeon: 16 rows break even)
@@ -133,7 +133,7 @@ def _load() -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build(isa)))
             for kind, name in _TARGETS.items():
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOLS[kind])), platform="cpu")
-            _state.update(ok=True, lib=lib, isa=isa, b16=bool(lib.eagle_jax_has_b16()))
+            _state.update(ok=True, lib=lib, isa=isa, b16=bool(lib.eagle_jax_has_b16()), i8=bool(lib.eagle_jax_has_i8()))
         except Exception as e:  # no compiler, no AVX-512/AVX2, a failed build: XLA's matmuls are used
             _state.update(ok=False, why=str(e))
             log.info("CPU matmul kernel unavailable: %s", e)
@@ -255,6 +255,60 @@ def bmatmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
         raise RuntimeError("bmatmul needs the CPU matmul kernel built with AVX512-BF16: "
                            + (unavailable_reason() or "this CPU has no AVX512-BF16"))
     return _rows_call("b16", x, n, packed)
+
+
+I8_TILE = 64  # output columns per packed int8 tile (cpu_matmul.cc)
+I8_MAX_K = 16384  # the longest rows of x the kernel rounds to int8 (its per-thread buffer)
+
+
+def i8_available() -> bool:
+    """True when the kernel is available and was built with AVX512-VNNI (`imatmul` runs here)."""
+    return _load() and _state.get("i8", False)
+
+
+def pack_i8(w_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Dense kernel [K, N] (K % 16 == 0) quantised per output column for `imatmul`: (uint32 tiles
+    [ceil(N/64), K/4, 64], float32 scales [N]). Column n: s = max |w[:, n]| / 127 (0 for a zero
+    column), q = round(w / s) to nearest even, in [-127, 127], stored as the byte q + 128; word
+    (tile, k4, j) holds the bytes of w[4 k4 .. 4 k4 + 3, n] (lowest first), n = 64 tile + j (the byte
+    128, a zero weight, past N)."""
+    w = np.asarray(w_kn, np.float32)
+    k, n = w.shape
+    if k % 16:
+        raise ValueError(f"pack_i8: kernel {w.shape} needs K % 16 == 0")
+    amax = np.abs(w).max(axis=0)
+    scales = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(w * inv[None, :]), -127, 127).astype(np.int32)
+    tiles = -(-n // I8_TILE)
+    u = np.pad(q + 128, ((0, 0), (0, tiles * I8_TILE - n)), constant_values=128).astype(np.uint32)
+    quads = u[0::4] | (u[1::4] << 8) | (u[2::4] << 16) | (u[3::4] << 24)  # [K/4, N_pad]
+    return np.ascontiguousarray(quads.reshape(k // 4, tiles, I8_TILE).transpose(1, 0, 2)), scales
+
+
+def unpack_i8(packed: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
+    """The float32 kernel [K, N] that `pack_i8`'s tiles and scales stand for: q * s per column."""
+    p = np.asarray(packed, np.uint32)
+    tiles, k4, _ = p.shape
+    quads = p.transpose(1, 0, 2).reshape(k4, tiles * I8_TILE)[:, :n]
+    q = np.stack([(quads >> s) & 0xFF for s in (0, 8, 16, 24)], axis=1).reshape(4 * k4, n).astype(np.int32) - 128
+    return (q.astype(np.float32) * np.asarray(scales, np.float32)[None, :]).astype(np.float32)
+
+
+def imatmul(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int) -> jax.Array:
+    """x[..., K] @ w → [..., n] float32 with `packed, scales = pack_i8(w)`: each row of x rounded to
+    int8 with its own scale (max |x| / 127), the products summed exactly in int32 by AVX512-VNNI's
+    vpdpbusd, then scaled (a draft head's approximation, not float32's result). Only through the
+    custom call (check `i8_available()`); at most `MAX_ROWS` rows."""
+    k = x.shape[-1]
+    if packed.dtype != jnp.uint32 or packed.ndim != 3 or packed.shape[1:] != (k // 4, I8_TILE) \
+            or packed.shape[0] != -(-n // I8_TILE) or k % 16 or k > I8_MAX_K or scales.shape != (n,):
+        raise ValueError(f"imatmul: packed tiles {tuple(packed.shape)} {packed.dtype} and scales "
+                         f"{tuple(scales.shape)} do not fit K={k}, N={n} (K % 16 == 0, at most {I8_MAX_K})")
+    if not i8_available():
+        raise RuntimeError("imatmul needs the CPU matmul kernel built with AVX512-VNNI: "
+                           + (unavailable_reason() or "this CPU has no AVX512-VNNI"))
+    return _rows_call("i8", x, n, packed, scales.astype(jnp.float32))
 
 
 def quant_kind(variables) -> str | None:

@@ -212,3 +212,6 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
 constexpr bool kHaveB16 = false;
 template <int T>
 void b16_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+constexpr bool kHaveI8 = false;  // int8 tiles need AVX512-VNNI
+template <int T>
+void i8_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}

@@ -246,6 +246,77 @@ template <int T>
 void b16_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
+// ---------------------------------------------------------------- int8 tiles (draft heads, AVX512-VNNI)
+// w quantised per output column (w[k, n] ~ s[n] * q, q in [-127, 127]) and stored as u = q + 128,
+// packed as uint32 [ceil(N/64), K/4, 64]: word (tile, k4, j) holds u[4 k4 .. 4 k4 + 3, n] for
+// n = 64 tile + j (u = 128, a zero weight, past N). Each row of x is rounded to int8 with its own
+// scale (sx = max |x| / 127), and vpdpbusd sums four u8 x s8 products a lane and instruction into
+// int32, exactly; sum_k u q_x = sum_k q q_x + 128 sum_k q_x, so y = (acc - 128 sum_k q_x) sx s[n].
+// Drafting only: a product of the rounded values, not float32's.
+#ifdef __AVX512VNNI__
+constexpr bool kHaveI8 = true;
+template <int T>
+void i8_block(const float* x, const float* w_as_float, const float* scales, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(w_as_float);  // BlockFn's signature; really quads
+  const int64_t K4 = K / 4;  // K % 16 == 0 (I8Matmul checks)
+  thread_local uint32_t xq[4 * kI8MaxK / 4];
+  float sx[T];
+  int32_t corr[T];
+  for (int t = 0; t < T; ++t) {
+    const float* xt = x + t * K;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xt + k)));
+    const float m = _mm512_reduce_max_ps(amax);
+    sx[t] = m / 127.0f;
+    const __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    __m512i qsum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xt + k), inv));  // to nearest even
+      q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      qsum = _mm512_add_epi32(qsum, q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + t * K4 + k / 4), _mm512_cvtepi32_epi8(q));
+    }
+    corr[t] = 128 * _mm512_reduce_add_epi32(qsum);
+  }
+  constexpr int A = T <= 2 ? 2 : 1;  // few rows: two accumulator sets hide vpdpbusd's latency
+  constexpr int J = kI8Tile / 16;
+  for (int64_t n = n0; n < n1; n += kI8Tile) {
+    const uint32_t* wt = w + (n / kI8Tile) * K4 * kI8Tile;
+    __m512i acc[A][T][J];
+    for (int a = 0; a < A; ++a)
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < J; ++j) acc[a][t][j] = _mm512_setzero_si512();
+    for (int64_t k4 = 0; k4 < K4; ++k4) {
+      const int a = A == 2 ? (int)(k4 & 1) : 0;
+      const uint32_t* wk = wt + k4 * kI8Tile;
+      __m512i wv[J];
+      for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(wk + 16 * j);
+      for (int t = 0; t < T; ++t) {
+        const __m512i xv = _mm512_set1_epi32((int)xq[t * K4 + k4]);
+        for (int j = 0; j < J; ++j) acc[a][t][j] = _mm512_dpbusd_epi32(acc[a][t][j], wv[j], xv);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < J; ++j) {
+        const int64_t c = n + 16 * j;
+        if (c >= n1) break;
+        __m512i v = acc[0][t][j];
+        if (A == 2) v = _mm512_add_epi32(v, acc[A - 1][t][j]);
+        v = _mm512_sub_epi32(v, _mm512_set1_epi32(corr[t]));
+        const __mmask16 m = n1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - c)) - 1u);
+        const __m512 s = _mm512_maskz_loadu_ps(m, scales + c);
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(sx[t]));
+        _mm512_mask_storeu_ps(y + t * N + c, m, _mm512_mul_ps(f, s));
+      }
+  }
+}
+#else
+constexpr bool kHaveI8 = false;
+template <int T>
+void i8_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
 // Quantized rows: up to 12 rows of x in one pass over the weights (kQOnePass; R = 1 row of w at a
 // time above 8), so a verification pass of 9 to 12 tree tokens decodes each block once. Above 12
 // the one-row-of-w passes run out of load bandwidth (every block reloads all T rows of x), and two

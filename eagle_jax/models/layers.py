@@ -165,8 +165,8 @@ class KernelDense(nn.Module):
     `kernels.cpu_matmul` (few rows, float32, AVX-512 or AVX2); larger products fall back to XLA's dot.
     When the params also hold the layer's GGUF blocks ("q4_1" / "q8_0", `models/quantized.py`),
     few-row products read those instead: the same float32 result from a fifth of the bytes. A draft
-    head's compact rows (`models.quantized.attach_draft_rows`: bfloat16 tiles "b16", Q8_0 blocks,
-    or float16 rows "f16") are read the same way."""
+    head's compact rows (`models.quantized.attach_draft_rows`: bfloat16 tiles "b16", int8 tiles
+    "i8", Q8_0 blocks, or float16 rows "f16") are read the same way."""
 
     features: int
     use_bias: bool = False
@@ -176,7 +176,7 @@ class KernelDense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        from ..kernels.cpu_matmul import bmatmul, hmatmul, matmul, qmatmul, quant_kind
+        from ..kernels.cpu_matmul import bmatmul, hmatmul, imatmul, matmul, qmatmul, quant_kind
 
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
         held = self.variables.get("params", {})
@@ -187,6 +187,9 @@ class KernelDense(nn.Module):
                         self.get_variable("params", f"{kind}_scales")).astype(self.dtype)
         elif "b16" in held and few:  # a draft head's bfloat16 tiles (approximate products)
             y = bmatmul(x.astype(jnp.float32), self.get_variable("params", "b16"), self.features).astype(self.dtype)
+        elif "i8" in held and few:  # a draft head's int8 tiles (approximate products)
+            y = imatmul(x.astype(jnp.float32), self.get_variable("params", "i8"),
+                        self.get_variable("params", "i8_scales"), self.features).astype(self.dtype)
         elif "f16" in held and few and self.dtype == jnp.float32:  # the float16 values of a head's kernel
             y = hmatmul(x.astype(jnp.float32), self.get_variable("params", "f16"))
         else:

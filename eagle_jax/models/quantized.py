@@ -118,7 +118,7 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
 
 
 
-DRAFT_ROWS = ("auto", "b16", "q8_0", "q4_1", "f16")
+DRAFT_ROWS = ("auto", "b16", "i8", "q8_0", "q4_1", "f16")
 
 
 def _with_dense_rows(params, rows_for):
@@ -185,16 +185,39 @@ def attach_b16_rows(params):
     return _with_dense_rows(params, rows_for)
 
 
+def attach_i8_rows(params):
+    """A draft head quantised to int8 for the CPU kernel's AVX512-VNNI products: every 2-D Dense
+    `kernel` [in, out] (in % 16 == 0, at most 16384) gains int8 values with one scale per output
+    column, packed in 64-column tiles ("i8", "i8_scales": `kernels.cpu_matmul.pack_i8`), and the
+    float32 `kernel` is replaced by those values dequantised, so XLA's products use the same weights.
+    A quarter of float32's bytes; the kernel rounds each row of x to int8 too, so drafts are
+    approximate (the output stays lossless: drafts are only proposals)."""
+    from ..kernels.cpu_matmul import I8_MAX_K, pack_i8, unpack_i8
+
+    def rows_for(w):
+        if w.shape[0] % 16 or w.shape[0] > I8_MAX_K:  # left to XLA's float32 product
+            return {}
+        packed, scales = pack_i8(w)
+        return {"kernel": jnp.asarray(unpack_i8(packed, scales, w.shape[1])), "i8": jnp.asarray(packed),
+                "i8_scales": jnp.asarray(scales)}
+
+    return _with_dense_rows(params, rows_for)
+
+
 def resolve_draft_rows(rows: str) -> str:
-    """"auto" → "b16" where the kernel has AVX512-BF16, else "q8_0"; other choices are checked."""
-    from ..kernels.cpu_matmul import b16_available
+    """"auto" → "b16" where the kernel has AVX512-BF16, else "i8" where it has AVX512-VNNI, else
+    "q8_0"; other choices are checked."""
+    from ..kernels.cpu_matmul import b16_available, i8_available
 
     if rows not in DRAFT_ROWS:
         raise ValueError(f"draft rows must be one of {DRAFT_ROWS}, got {rows!r}")
     if rows == "auto":
-        return "b16" if b16_available() else "q8_0"
+        return "b16" if b16_available() else "i8" if i8_available() else "q8_0"
     if rows == "b16" and not b16_available():
         raise RuntimeError("draft rows 'b16' need the CPU kernel built with AVX512-BF16, which this machine lacks")
+    if rows == "i8" and not i8_available():
+        raise RuntimeError("draft rows 'i8' need the CPU kernel built with AVX512-VNNI, which this machine "
+                           "lacks")
     return rows
 
 
@@ -214,9 +237,9 @@ def attach_f16_rows(params):
 
 
 def attach_draft_rows(params, rows: str):
-    """The compact rows a draft head keeps for the CPU kernel: "b16" (`attach_b16_rows`), "q8_0"
-    (`attach_q8_0_rows`), "q4_1" (`attach_q4_1_rows`), "f16" (`attach_f16_rows`: the stored float16
-    values, exactly) or "auto" (`resolve_draft_rows`)."""
+    """The compact rows a draft head keeps for the CPU kernel: "b16" (`attach_b16_rows`), "i8"
+    (`attach_i8_rows`), "q8_0" (`attach_q8_0_rows`), "q4_1" (`attach_q4_1_rows`), "f16"
+    (`attach_f16_rows`: the stored float16 values, exactly) or "auto" (`resolve_draft_rows`)."""
     rows = resolve_draft_rows(rows)
-    return {"b16": attach_b16_rows, "q8_0": attach_q8_0_rows, "q4_1": attach_q4_1_rows,
+    return {"b16": attach_b16_rows, "i8": attach_i8_rows, "q8_0": attach_q8_0_rows, "q4_1": attach_q4_1_rows,
             "f16": attach_f16_rows}[rows](params)

@@ -54,7 +54,7 @@ class ServeOptions:
     attention: str = "reference"
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
     matmul: str = "auto"  # weight products: cpu_kernel | xla | auto (Engine's `matmul`)
-    draft_rows: str = "auto"  # the head's rows for the CPU kernel: auto | b16 | q8_0 | q4_1 | f16 (Engine's `draft_rows`)
+    draft_rows: str = "auto"  # the head's rows for the CPU kernel: auto | b16 | i8 | q8_0 | q4_1 | f16 (Engine's)
     prefill_chunk: object = None  # Engine's `prefill_chunk`: N, (big, tail) or None (its default)
     max_cache_len: int = SERVING_CACHE_LEN
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len

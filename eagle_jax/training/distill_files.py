@@ -87,3 +87,16 @@ def write_splits(out_dir: Path) -> dict:
     for s in files:
         os.replace(out_dir / f"{s}.jsonl.tmp", out_dir / f"{s}.jsonl")
     return counts
+
+
+def update_summary(out_dir: Path, **fields) -> dict:
+    """Merge `fields` into `<out_dir>/summary.json` (created if missing; written atomically). A run
+    writes its prompt counts before generating (`complete: false`), so a run stopped by a time box
+    still leaves its record; `--splits-only` adds the files' counts; a finished run sets `complete`."""
+    path = Path(out_dir) / "summary.json"
+    summary = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    summary.update(fields)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return summary

@@ -14,7 +14,9 @@ per compile), and appends ShareGPT-layout lines to `<out>/generated.jsonl` as re
 
 A killed run continues where it stopped (ids already in generated.jsonl are skipped; a torn last
 line is cut off). At the end `<out>/train.jsonl` and `<out>/eval.jsonl` are written (eval = the
-held-out prompts of `eagle_jax/data/eval_*_prompts.jsonl` only) with `<out>/summary.json`.
+held-out prompts of `eagle_jax/data/eval_*_prompts.jsonl` only) with `<out>/summary.json` (written
+first with the prompt counts and `"complete": false`, so a run stopped by a time box keeps its
+record; `--splits-only` adds the split files' counts to it).
 
     python -m eagle_jax.training.selfdistill --out /work/data/sd --max-new-tokens 256 --batch-size 8 \
         --sources humaneval,evals,self-instruct --self-instruct-n 300
@@ -34,7 +36,7 @@ import numpy as np
 
 from . import code_prompts as C
 from . import prompts as P
-from .distill_files import _log, _repair_tail, append_jsonl, read_jsonl, stored_ids, write_splits
+from .distill_files import _log, _repair_tail, append_jsonl, read_jsonl, stored_ids, update_summary, write_splits
 
 SOURCES = ("humaneval", "evals", "self-instruct", "stdlib-code", "package-code")
 DEFAULT_SOURCES = ("humaneval", "evals", "self-instruct")  # the code sources are asked for by name
@@ -431,6 +433,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.splits_only:
         counts = write_splits(Path(args.out))
+        update_summary(Path(args.out), files=counts)
         print(json.dumps(counts))
         return 0
 
@@ -457,6 +460,9 @@ def main(argv=None) -> int:
                                    seed_topics=[s.strip() for s in args.seed_topics.split(",") if s.strip()],
                                    self_instruct_batch_size=args.self_instruct_batch_size)
     _log("prompts: " + json.dumps(counts))
+    update_summary(out, model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                   continuous=not args.no_continuous, temperature=args.temperature, seed=args.seed,
+                   prompts=counts, complete=False)
     d = Distiller(engine, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   continuous=not args.no_continuous, steps_per_call=args.steps_per_call)
@@ -468,10 +474,7 @@ def main(argv=None) -> int:
         runs["eval"] = distill(engine, evals, gen, "eval", distiller=d, max_prompt_tokens=args.max_prompt_tokens,
                                seed=args.seed, stats={})
     split_counts = write_splits(out)
-    summary = {"model": args.model, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-               "continuous": not args.no_continuous,
-               "temperature": args.temperature, "prompts": counts, "runs": runs, "files": split_counts}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    update_summary(out, runs=runs, files=split_counts, complete=True)
     _log(f"done: {json.dumps(split_counts)}")
     return 0
 
