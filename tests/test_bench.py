@@ -396,3 +396,20 @@ def test_paired_timing_ratio_is_per_pair(monkeypatch):
     ma, mb, ratio = step_profile._paired_median_ms(run, run, 5)
     assert (ma, mb) == (2e3, 2e3)  # medians of [2, 2, 2, 4, 4] and [1, 1, 2, 2, 2]: the drift hides the cost
     assert ratio == 2.0
+
+
+def test_matmul_microbenchmark_times_every_row_kind(capsys):
+    from eagle_jax.kernels import cpu_matmul as cm
+    from eagle_jax.kernels import matmul_bench
+
+    if not cm.available():
+        pytest.skip(f"no CPU kernel here: {cm.unavailable_reason()}")
+    res = matmul_bench.run(rows=(1, 3), k=64, n=80, matrices=2, reps=2)
+    assert [r["rows"] for r in res] == [1, 3]
+    for r in res:
+        for key in ("xla_ms", "kernel_f32_ms", "kernel_q4_1_ms", "kernel_q8_0_ms"):
+            assert r[key] > 0
+        assert (r["kernel_i8_ms"] is None) == (not cm.i8_available())
+    assert matmul_bench.main(["--rows", "2", "--k", "32", "--n", "64", "--matrices", "1", "--reps", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "| kernel int8 tiles |" in table and table.strip().splitlines()[-1].startswith("| 2 |")

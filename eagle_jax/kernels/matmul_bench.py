@@ -1,11 +1,13 @@
-"""`python -m eagle_jax.bench matmul`: the few-row products of a decoding step, three ways.
+"""`python -m eagle_jax.bench matmul`: the few-row products of a decoding step, several ways.
 
 For each row count T, one jitted program multiplies [T, K] by `--matrices` different weight
 matrices of shape [K, N] (default: SmolLM2's 60 MLP gate/up matrices, 576 × 1536) and sums the
 results, through (a) XLA's dot on float32 weights, (b) the float32 CPU kernel (AVX-512 or AVX2)
-(`cpu_matmul.matmul`) and (c) the kernel on Q4_1 blocks (`cpu_matmul.qmatmul` with precomputed
-scales; random weights quantised with gguf). Median milliseconds over `--reps` runs after a
-warm-up, all three measured side by side in one process; a Markdown table on stdout.
+(`cpu_matmul.matmul`), (c) the kernel on Q4_1 blocks (`cpu_matmul.qmatmul` with precomputed
+scales; random weights quantised with gguf), as the target's layers use it, and the draft head's
+row kinds: (d) Q8_0 blocks and, where the kernel has AVX512-VNNI, (e) int8 tiles
+(`cpu_matmul.imatmul`). Median milliseconds over `--reps` runs after a warm-up, all measured side
+by side in one process; a Markdown table on stdout.
 
     python -m eagle_jax.bench matmul --rows 1,2,4,8,16
 """
@@ -44,17 +46,25 @@ def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, 
     blocks = [quants.quantize(w, GGMLQuantizationType.Q4_1) for w in w_nk]
     scales = [jnp.asarray(cm.block_scales(b, "q4_1")) for b in blocks]
     blocks = [jnp.asarray(b) for b in blocks]
+    b8 = [quants.quantize(w, GGMLQuantizationType.Q8_0) for w in w_nk]
+    s8 = [jnp.asarray(cm.block_scales(b, "q8_0")) for b in b8]
+    b8 = [jnp.asarray(b) for b in b8]
     w_kn = [jnp.asarray(w.T) for w in w_nk]
+    i8 = [tuple(map(jnp.asarray, cm.pack_i8(w.T))) for w in w_nk] if cm.i8_available() else None
 
     xla = jax.jit(lambda x, ws: sum(jnp.dot(x, w).sum() for w in ws))
     f32 = jax.jit(lambda x, ws: sum(cm.matmul(x, w).sum() for w in ws))
     q41 = jax.jit(lambda x, bs, ss: sum(cm.qmatmul(x, b, "q4_1", s).sum() for b, s in zip(bs, ss)))
+    q80 = jax.jit(lambda x, bs, ss: sum(cm.qmatmul(x, b, "q8_0", s).sum() for b, s in zip(bs, ss)))
+    i8_fn = jax.jit(lambda x, ps: sum(cm.imatmul(x, p, s, n).sum() for p, s in ps))
     out = []
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
         out.append({"rows": t, "xla_ms": _median_ms(xla, (x, w_kn), reps),
                     "kernel_f32_ms": _median_ms(f32, (x, w_kn), reps),
-                    "kernel_q4_1_ms": _median_ms(q41, (x, blocks, scales), reps)})
+                    "kernel_q4_1_ms": _median_ms(q41, (x, blocks, scales), reps),
+                    "kernel_q8_0_ms": _median_ms(q80, (x, b8, s8), reps),
+                    "kernel_i8_ms": _median_ms(i8_fn, (x, i8), reps) if i8 is not None else None})
     return out
 
 
@@ -68,7 +78,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     res = run(tuple(int(r) for r in args.rows.split(",")), args.k, args.n, args.matrices, args.reps)
     print(f"{args.matrices} products [T, {args.k}] x [{args.k}, {args.n}], median ms over {args.reps} runs\n")
-    print("| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks |\n|---|---|---|---|")
+    print("| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks | kernel Q8_0 blocks | kernel int8 tiles |\n"
+          "|---|---|---|---|---|---|")
     for r in res:
-        print(f"| {r['rows']} | {r['xla_ms']:.2f} | {r['kernel_f32_ms']:.2f} | {r['kernel_q4_1_ms']:.2f} |")
+        i8 = "—" if r["kernel_i8_ms"] is None else f"{r['kernel_i8_ms']:.2f}"
+        print(f"| {r['rows']} | {r['xla_ms']:.2f} | {r['kernel_f32_ms']:.2f} | {r['kernel_q4_1_ms']:.2f} "
+              f"| {r['kernel_q8_0_ms']:.2f} | {i8} |")
     return 0
