@@ -15,6 +15,7 @@ by side in one process; a Markdown table on stdout.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -43,28 +44,27 @@ def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, 
         raise SystemExit(f"the CPU matmul kernel is unavailable here: {cm.unavailable_reason()}")
     rng = np.random.default_rng(seed)
     w_nk = [(0.05 * rng.standard_normal((n, k))).astype(np.float32) for _ in range(matrices)]
-    blocks = [quants.quantize(w, GGMLQuantizationType.Q4_1) for w in w_nk]
-    scales = [jnp.asarray(cm.block_scales(b, "q4_1")) for b in blocks]
-    blocks = [jnp.asarray(b) for b in blocks]
-    b8 = [quants.quantize(w, GGMLQuantizationType.Q8_0) for w in w_nk]
-    s8 = [jnp.asarray(cm.block_scales(b, "q8_0")) for b in b8]
-    b8 = [jnp.asarray(b) for b in b8]
     w_kn = [jnp.asarray(w.T) for w in w_nk]
+
+    def quantized(kind):  # GGUF blocks and their float32 scales, one pair a matrix
+        blocks = [quants.quantize(w, GGMLQuantizationType[kind.upper()]) for w in w_nk]
+        return [(jnp.asarray(b), jnp.asarray(cm.block_scales(b, kind))) for b in blocks]
+
+    q = {kind: quantized(kind) for kind in ("q4_1", "q8_0")}
     i8 = [tuple(map(jnp.asarray, cm.pack_i8(w.T))) for w in w_nk] if cm.i8_available() else None
 
     xla = jax.jit(lambda x, ws: sum(jnp.dot(x, w).sum() for w in ws))
     f32 = jax.jit(lambda x, ws: sum(cm.matmul(x, w).sum() for w in ws))
-    q41 = jax.jit(lambda x, bs, ss: sum(cm.qmatmul(x, b, "q4_1", s).sum() for b, s in zip(bs, ss)))
-    q80 = jax.jit(lambda x, bs, ss: sum(cm.qmatmul(x, b, "q8_0", s).sum() for b, s in zip(bs, ss)))
+    qsum = jax.jit(lambda x, bs, kind: sum(cm.qmatmul(x, b, kind, s).sum() for b, s in bs), static_argnames="kind")
     i8_fn = jax.jit(lambda x, ps: sum(cm.imatmul(x, p, s, n).sum() for p, s in ps))
     out = []
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
-        out.append({"rows": t, "xla_ms": _median_ms(xla, (x, w_kn), reps),
-                    "kernel_f32_ms": _median_ms(f32, (x, w_kn), reps),
-                    "kernel_q4_1_ms": _median_ms(q41, (x, blocks, scales), reps),
-                    "kernel_q8_0_ms": _median_ms(q80, (x, b8, s8), reps),
-                    "kernel_i8_ms": _median_ms(i8_fn, (x, i8), reps) if i8 is not None else None})
+        row = {"rows": t, "xla_ms": _median_ms(xla, (x, w_kn), reps), "kernel_f32_ms": _median_ms(f32, (x, w_kn), reps)}
+        for kind, bs in q.items():
+            row[f"kernel_{kind}_ms"] = _median_ms(functools.partial(qsum, kind=kind), (x, bs), reps)
+        row["kernel_i8_ms"] = _median_ms(i8_fn, (x, i8), reps) if i8 is not None else None
+        out.append(row)
     return out
 
 
