@@ -192,6 +192,7 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
         for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_setzero_ps();
     const uint8_t* wn = w + n * row_bytes;
     const float* sn = scales + n * nb * S;
+    prefetch_ahead(w, scales, n, n0, n1, R, row_bytes, nb * S);
     for (int64_t b = 0; b < nb; ++b) {
       for (int r = 0; r < R; ++r) {
         if (r >= rows) break;

@@ -136,11 +136,15 @@ void h16_block(const float* x, const float* w_as_float, const float*, float* y, 
 // float32, so the fused multiply-add rounds exactly as gguf's numpy `(d * q) + m` does: the
 // kernel multiplies by the same float32 weights as the converted checkpoint holds.
 inline void q41_block(const uint8_t* blk, const float* sc, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(sc[0]), m = _mm512_set1_ps(sc[1]);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask))), m);
-  hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask))), m);
+  // The 16 values a block's nibbles can take, d * q + m for q = 0..15 (one multiply-add, rounded
+  // as gguf's numpy rounds each weight), looked up by vpermps, which reads only an index's low
+  // four bits: the high nibble needs one shift, the low one nothing. 5 vector instructions a
+  // block instead of 9 converting each nibble, for the same float32 weights.
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(sc[0]), iota, _mm512_set1_ps(sc[1]));
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+  lo = _mm512_permutexvar_ps(q, lut);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
 }
 
 inline void q80_block(const uint8_t* blk, const float* sc, __m512& lo, __m512& hi) {
@@ -166,6 +170,7 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
       for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
     const uint8_t* wn = w + n * row_bytes;
     const float* sn = scales + n * nb * S;
+    prefetch_ahead(w, scales, n, n0, n1, R, row_bytes, nb * S);
     for (int64_t b = 0; b < nb; ++b) {
       for (int r = 0; r < R; ++r) {
         if (r >= rows) break;
