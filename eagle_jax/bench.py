@@ -34,7 +34,9 @@ for this platform, else the default tree.
 
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
 against the reference path; see eagle_jax/kernels/bench.py); `python -m eagle_jax.bench matmul`
-times the few-row weight products through XLA and the CPU kernel (kernels/matmul_bench.py).
+times the few-row weight products through XLA and the CPU kernel (kernels/matmul_bench.py);
+`python -m eagle_jax.bench trace` traces decoding steps with jax.profiler and sums their
+operations (step_trace.py).
 """
 
 from __future__ import annotations
@@ -325,6 +327,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["kernel"]:  # the tree-attention microbenchmark
         from .kernels.bench import main as kernel_main
         return kernel_main(argv[1:])
+    if argv[:1] == ["trace"]:  # where a decoding step's time goes, operation by operation
+        from .step_trace import main as trace_main
+        return trace_main(argv[1:])
     args = build_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in ALL_METHODS]

@@ -413,3 +413,35 @@ def test_matmul_microbenchmark_times_every_row_kind(capsys):
     assert matmul_bench.main(["--rows", "2", "--k", "32", "--n", "64", "--matrices", "1", "--reps", "1"]) == 0
     table = capsys.readouterr().out
     assert "| kernel int8 tiles |" in table and table.strip().splitlines()[-1].startswith("| 2 |")
+
+
+def test_trace_summary_sums_sites_and_kinds_per_step():
+    from eagle_jax import step_trace
+
+    events = [("ffi_call.1", 800.0), ("ffi_call.1", 1200.0), ("ffi_call.2", 40.0), ("ffi_call.3", 10.0),
+              ("ffi_call.3", 10.0), ("multiply_fusion.3", 20.0), ("multiply_fusion.17", 10.0), ("while", 5.0),
+              ("$api.py:1 block_until_ready", 999.0), ("ThunkExecutor::Execute", 999.0), ("end: ffi_call", 1.0)]
+    res = step_trace.summarize(events, steps=2)
+    cc = res["custom_calls"]
+    assert cc["calls"] == 2.5 and abs(cc["ms"] - 1.03) < 1e-12  # (2000 + 40 + 20) us over 2 steps
+    assert [r["calls"] for r in cc["top_sites"]] == [1.0, 0.5, 1.0]  # by time: 1.0, 0.02, 0.01 ms a step
+    # a site's bucket is its time a call: 1.0, 0.04 and 0.01 ms
+    assert [(b["from_ms"], b["sites"]) for b in cc["buckets"]] == [(1.0, 1), (0.02, 1), (0.01, 1)]
+    assert abs(sum(b["ms"] for b in cc["buckets"]) - cc["ms"]) < 1e-12
+    assert res["xla_ops"] == {"multiply_fusion": {"calls": 1.0, "ms": pytest.approx(0.015)},
+                              "while": {"calls": 0.5, "ms": pytest.approx(0.0025)}}
+
+
+def test_trace_of_plain_steps_on_the_tiny_model(tiny_hf_dir):
+    from eagle_jax import step_trace
+    from eagle_jax.kernels import cpu_matmul as cm
+
+    engine = Engine(str(tiny_hf_dir), progress=False)
+    res = step_trace.trace_method(engine, "vanilla", engine.encode("w5 w6 w7"), steps=3)
+    assert res["wall_ms_per_step"] > 0 and res["steps"] == 3
+    cc = res["custom_calls"]
+    if engine.cfg.matmul_impl == "cpu_kernel" and cm.available():
+        # every layer's weight products go through the kernel: at least 7 sites a layer, each once a step
+        assert cc["calls"] >= 7 * engine.cfg.num_layers
+        assert all(abs(r["calls"] - round(r["calls"])) < 1e-9 for r in cc["top_sites"])
+    assert "| call duration |" in step_trace.markdown(res)

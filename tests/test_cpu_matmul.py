@@ -374,15 +374,36 @@ def tiny_gguf(tmp_path_factory):
     return d, cfg, params
 
 
+FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+
+
 def test_blocks_attach_beside_every_linear_and_the_embedding(tiny_gguf):
+    """Every linear's blocks are attached: o / down beside their kernels, q / k / v and gate / up
+    concatenated along the outputs into one node each (one kernel call), in the same order."""
+    from gguf.quants import dequantize
+
     d, cfg, params = tiny_gguf
     qp = attach_gguf_blocks(params, cfg, d / "m.gguf")
+    fused_names = {f"{g.split('.')[0]}.{n}" for g, ns in FUSED.items() for n in ns}
     for n in LINEARS:
         group, name = n.split(".")
-        blk = qp["layers"][group][name]["q4_1"]
         kernel = params["layers"][group][name]["kernel"]  # [L, K, N]
+        if n in fused_names:
+            assert "q4_1" not in qp["layers"][group][name] and "kernel" in qp["layers"][group][name]
+            continue
+        blk = qp["layers"][group][name]["q4_1"]
         assert blk.dtype == jnp.uint8 and blk.shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 32 * 20)
         assert qp["layers"][group][name]["q4_1_scales"].shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 16)
+    for f, names in FUSED.items():
+        group, node = f.split(".")
+        blk, scales = qp["layers"][group][node]["q4_1"], qp["layers"][group][node]["q4_1_scales"]
+        kernels = [np.asarray(params["layers"][group][n]["kernel"]) for n in names]  # [L, K, N_i]
+        k, n_all = kernels[0].shape[1], sum(w.shape[2] for w in kernels)
+        assert blk.shape == (cfg.num_layers, n_all, k // 32 * 20) and scales.shape == (cfg.num_layers, n_all, k // 16)
+        for i in range(cfg.num_layers):  # the blocks are the projections' weights, in order
+            got = dequantize(np.asarray(blk[i]), GGMLQuantizationType.Q4_1)
+            np.testing.assert_array_equal(got, np.concatenate([w[i].T for w in kernels]))
+            np.testing.assert_array_equal(np.asarray(scales[i]), cm.block_scales(np.asarray(blk[i]), "q4_1"))
     assert qp["embed_tokens"]["q8_0"].shape == (cfg.vocab_size, cfg.hidden_size // 32 * 34)
     assert "q4_1" not in params["layers"]["mlp"]["up_proj"]  # the input is left alone
 
@@ -424,10 +445,14 @@ def test_model_through_blocks_matches_xla_and_stays_lossless(tiny_gguf):
     want = np.asarray(jax.jit(logits, static_argnums=0)(cfg, xparams))
     got = np.asarray(jax.jit(logits, static_argnums=0)(kcfg, qparams))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    broken = jax.tree.map(lambda a: a, qparams)  # the products really read the blocks:
-    mlp0 = broken["layers"][0]["mlp"]
-    broken["layers"][0]["mlp"] = dict(mlp0, up_proj=dict(mlp0["up_proj"], q4_1=jnp.zeros_like(mlp0["up_proj"]["q4_1"])))
-    assert not np.allclose(np.asarray(jax.jit(logits, static_argnums=0)(kcfg, broken)), got, atol=1e-3)
+    for group, node, lo, hi in (("mlp", "gate_up_proj", cfg.intermediate_size, None),  # up's rows
+                                ("mlp", "down_proj", 0, None),
+                                ("self_attn", "qkv_proj", cfg.num_heads * cfg.head_dim, None)):  # k's and v's
+        broken = jax.tree.map(lambda a: a, qparams)  # the products really read the blocks, each node its own
+        sub = broken["layers"][0][group]
+        blk = sub[node]["q4_1"]
+        broken["layers"][0][group] = dict(sub, **{node: dict(sub[node], q4_1=blk.at[lo:hi].set(0))})
+        assert not np.allclose(np.asarray(jax.jit(logits, static_argnums=0)(kcfg, broken)), got, atol=1e-3), node
 
     prompts = [[1, 5, 9, 2], [7, 3]]
     plain_x, lens = _decode(xparams, cfg, prompts, 24)
@@ -440,6 +465,53 @@ def test_model_through_blocks_matches_xla_and_stays_lossless(tiny_gguf):
         for r, n in enumerate(lens):
             assert list(spec_k[r, n:n + 24]) == list(plain_k[r, n:n + 24])  # lossless under the kernel
         assert list(plain_k[r, n:n + 24]) == list(plain_x[r, n:n + 24])  # and the same text as XLA's f32
+
+
+def test_fused_projections_equal_the_separate_ones_bit_for_bit(tiny_gguf):
+    """q / k / v (and gate / up) through their concatenated blocks in one call give exactly what
+    each projection's own blocks give in calls of their own (the layout before stop 52), biases
+    included (Qwen2's q / k / v, Llama's mlp_bias)."""
+    d, cfg, params = tiny_gguf
+    kcfg = dataclasses.replace(cfg, matmul_impl="cpu_kernel")
+    fused = unstack_layers(attach_gguf_blocks(params, kcfg, d / "m.gguf"))
+
+    def split(group):  # each projection's rows of the fused node back beside its kernel
+        out = dict(group)
+        for f, names in FUSED.items():
+            node = out.pop(f.split(".")[1], None)
+            offsets = np.cumsum([0] + [group[n]["kernel"].shape[1] for n in names]) if node is not None else ()
+            for n, lo, hi in zip(names, offsets[:-1], offsets[1:]):
+                out[n] = dict(group[n], q4_1=node["q4_1"][lo:hi], q4_1_scales=node["q4_1_scales"][lo:hi])
+        return out
+
+    separate = dict(fused, layers=[{g: split(v) if g in ("self_attn", "mlp") else v for g, v in layer.items()}
+                                   for layer in fused["layers"]])
+    assert "qkv_proj" in fused["layers"][0]["self_attn"] and "qkv_proj" not in separate["layers"][0]["self_attn"]
+    assert "q4_1" in separate["layers"][0]["self_attn"]["k_proj"] and "q4_1" in separate["layers"][0]["mlp"]["up_proj"]
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    rng = np.random.default_rng(2)
+
+    def with_biases(p):
+        out = dict(p, layers=[])
+        for layer in p["layers"]:
+            layer = dict(layer)
+            for g, names in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+                layer[g] = dict(layer[g], **{n: dict(layer[g][n], bias=biases[(len(out["layers"]), n)]) for n in names})
+            out["layers"].append(layer)
+        return out
+
+    biases = {(i, n): jnp.asarray(rng.standard_normal(np.asarray(fused["layers"][i][g][n]["kernel"]).shape[1]), jnp.float32)
+              for i in range(cfg.num_layers) for g, names in (("self_attn", ("q_proj", "k_proj", "v_proj")),
+                                                               ("mlp", ("gate_proj", "up_proj", "down_proj")))
+              for n in names}
+    for bias in (False, True):
+        c = dataclasses.replace(kcfg, qkv_bias=bias, mlp_bias=bias)
+        f, s = (with_biases(fused), with_biases(separate)) if bias else (fused, separate)
+        run = jax.jit(lambda p: lm_logits(p, c, forward(p, c, tokens).hidden))
+        got, want = np.asarray(run(f)), np.asarray(run(s))
+        np.testing.assert_array_equal(got, want)
+        if bias:  # the biases count
+            assert not np.allclose(got, np.asarray(jax.jit(lambda p: lm_logits(p, kcfg, forward(p, kcfg, tokens).hidden))(fused)))
 
 
 def test_a_long_block_gives_each_token_the_decoding_steps_logits_bit_for_bit(tiny_gguf):

@@ -199,6 +199,27 @@ class KernelDense(nn.Module):
         return y
 
 
+def fused_product(module: nn.Module, cfg: ModelConfig, name: str, x):
+    """x through the GGUF blocks of several projections concatenated along their outputs (`name`:
+    "qkv_proj" or "gate_up_proj", made by `models.quantized.attach_gguf_blocks`): one kernel call
+    instead of three or two, each output summed exactly as its own projection's call would. None
+    when the params hold no such blocks or the rows are too many for the kernel (then each
+    projection's own `dense`, which has the float32 weights)."""
+    if cfg.matmul_impl != "cpu_kernel" or math.prod(x.shape[:-1]) > cfg.kernel_rows:
+        return None
+    from ..kernels.cpu_matmul import qmatmul, quant_kind
+
+    node = module.variables.get("params", {}).get(name)
+    kind = quant_kind(node) if node is not None else None
+    if kind is None:
+        return None
+    return qmatmul(x, node[kind], kind, node[f"{kind}_scales"]).astype(cfg.jnp_dtype)
+
+
+def _bias(module: nn.Module, name: str):
+    return module.variables["params"][name]["bias"]
+
+
 def dense(cfg: ModelConfig, name: Optional[str], features: int, use_bias: bool) -> nn.Module:
     """The model's linear layer: `nn.Dense`, `KernelDense` when `cfg.matmul_impl == "cpu_kernel"`, or
     `LowpDense` (the same parameters) for bfloat16/float16 compute on the CPU backend."""
@@ -228,9 +249,16 @@ class Attention(nn.Module):
     def __call__(self, x_btd, cos, sin, mask_bts, cache=None):
         cfg = self.cfg
         b, t, _ = x_btd.shape
-        q = dense(cfg, "q_proj", cfg.num_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
-        k = dense(cfg, "k_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
-        v = dense(cfg, "v_proj", cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)(x_btd)
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = fused_product(self, cfg, "qkv_proj", x_btd)
+        if qkv is not None:
+            q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+            if cfg.qkv_bias:
+                q, k, v = (y + _bias(self, n).astype(y.dtype) for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
+        else:
+            q = dense(cfg, "q_proj", nq, cfg.qkv_bias)(x_btd)
+            k = dense(cfg, "k_proj", nkv, cfg.qkv_bias)(x_btd)
+            v = dense(cfg, "v_proj", nkv, cfg.qkv_bias)(x_btd)
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -270,8 +298,14 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        gate = dense(cfg, "gate_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
-        up = dense(cfg, "up_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
+        gate_up = fused_product(self, cfg, "gate_up_proj", x)
+        if gate_up is not None:
+            gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
+            if cfg.mlp_bias:
+                gate, up = gate + _bias(self, "gate_proj").astype(gate.dtype), up + _bias(self, "up_proj").astype(up.dtype)
+        else:
+            gate = dense(cfg, "gate_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
+            up = dense(cfg, "up_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
         return dense(cfg, "down_proj", cfg.hidden_size, cfg.mlp_bias)(jax.nn.silu(gate) * up)
 
 

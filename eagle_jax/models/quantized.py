@@ -6,7 +6,9 @@ decoding is bound by reading the weights, so `attach_gguf_blocks` also keeps the
 Q4_1 / Q8_0 blocks of every linear layer and of the embedding (uint8 rows, 5 and 8.5 bits a
 weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["kernel"]`,
 `params["embed_tokens"]["q8_0"]` next to `["embedding"]`, each with its blocks' scales converted
-to float32 once (`"q4_1_scales"`: the kernel reads them with broadcasts). The kernel dequantises
+to float32 once (`"q4_1_scales"`: the kernel reads them with broadcasts). The blocks of q / k / v
+and of gate / up, which multiply the same input, are concatenated into one node each
+(`params[...]["self_attn"]["qkv_proj"]`, `["mlp"]["gate_up_proj"]`): one kernel call for them. The kernel dequantises
 them in registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
 equals the float32 kernel's product with the converted weights bit for bit; products of more than
 `ModelConfig.kernel_rows` rows (prefill chunks) use the float32 weights.
@@ -30,6 +32,27 @@ from .gguf_loader import GGUFModel, _unpermute_rows
 
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+# Projections of the same input whose blocks are concatenated (along their outputs) into one node,
+# so a decoding step makes one kernel call for them (`layers.fused_product`).
+_FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def _fuse(group: dict, fused: str, names: tuple[str, ...]) -> dict:
+    """`group` with the blocks and scales of `names` (stacked [L, N, ...]) moved into one node
+    `fused` [L, sum N, ...], if all of them hold blocks of one kind; else `group` unchanged. The
+    float32 kernels stay where they are (prefill and the XLA path use them)."""
+    kinds = {next((k for k in QUANT_BLOCK_BYTES if k in group[n]), None) for n in names}
+    if len(kinds) != 1 or None in kinds:
+        return group
+    kind = kinds.pop()
+    keys = (kind, f"{kind}_scales")
+    out = dict(group)
+    out[fused] = {key: jnp.concatenate([group[n][key] for n in names], axis=1) for key in keys}
+    for n in names:
+        out[n] = {k: v for k, v in group[n].items() if k not in keys}
+    return out
 
 
 class QuantizedLayoutError(ValueError):
@@ -100,6 +123,8 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
                                                                                for _, r in per_layer]))})
         layers[group] = sub
         n_bytes += sum(r.nbytes for _, r in per_layer) + sub[name][f"{kind}_scales"].nbytes
+    for group, fused, names in _FUSED:
+        layers[group] = _fuse(layers[group], fused, names)
     out["layers"] = layers
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     got = _blocks(model, head, cfg) if head in model._tensors else None
