@@ -89,7 +89,8 @@ def trace_method(engine, method: str, prompt_ids: list[int], steps: int) -> dict
     from .decoding import decode_advance, decode_start
     from .speculative import spec_advance, spec_start
 
-    _, args = engine._request(prompt_ids, steps * 8 + 8, 0.0, 1.0, 0, 0, None, method)
+    # room for every step to accept a whole path of any tree (60-token trees: depth 7, chains of 8)
+    _, args = engine._request(prompt_ids, steps * 16 + 16, 0.0, 1.0, 0, 0, None, method)
     if method == "vanilla":
         start = decode_start(engine.params, engine.cfg, *args, prefill_chunk=engine.prefill_chunk)
         advance = lambda s: decode_advance(engine.params, engine.cfg, s, *args[2:], n_steps=jnp.int32(steps))

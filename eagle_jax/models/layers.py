@@ -254,7 +254,8 @@ class Attention(nn.Module):
         if qkv is not None:
             q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
             if cfg.qkv_bias:
-                q, k, v = (y + _bias(self, n).astype(y.dtype) for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
+                q, k, v = (y + _bias(self, n).astype(y.dtype)
+                           for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
         else:
             q = dense(cfg, "q_proj", nq, cfg.qkv_bias)(x_btd)
             k = dense(cfg, "k_proj", nkv, cfg.qkv_bias)(x_btd)
@@ -302,7 +303,8 @@ class MLP(nn.Module):
         if gate_up is not None:
             gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
             if cfg.mlp_bias:
-                gate, up = gate + _bias(self, "gate_proj").astype(gate.dtype), up + _bias(self, "up_proj").astype(up.dtype)
+                gate = gate + _bias(self, "gate_proj").astype(gate.dtype)
+                up = up + _bias(self, "up_proj").astype(up.dtype)
         else:
             gate = dense(cfg, "gate_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
             up = dense(cfg, "up_proj", cfg.intermediate_size, cfg.mlp_bias)(x)
