@@ -410,8 +410,9 @@ def test_matmul_microbenchmark_times_every_row_kind(capsys):
         for key in ("xla_ms", "kernel_f32_ms", "kernel_q4_1_ms", "kernel_q8_0_ms"):
             assert r[key] > 0
         assert (r["kernel_i8_ms"] is None) == (not cm.i8_available())
-    assert matmul_bench.main(["--rows", "2", "--k", "32", "--n", "64", "--matrices", "1", "--reps", "1"]) == 0
+    assert bench.main(["matmul", "--rows", "2", "--k", "32", "--n", "64", "--matrices", "1", "--reps", "1"]) == 0
     table = capsys.readouterr().out
+    assert "| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks |" in table
     assert "| kernel int8 tiles |" in table and table.strip().splitlines()[-1].startswith("| 2 |")
 
 

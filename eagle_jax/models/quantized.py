@@ -8,10 +8,11 @@ weight) beside the float32 arrays: `params[...]["q_proj"]["q4_1"]` next to `["ke
 `params["embed_tokens"]["q8_0"]` next to `["embedding"]`, each with its blocks' scales converted
 to float32 once (`"q4_1_scales"`: the kernel reads them with broadcasts). The blocks of q / k / v
 and of gate / up, which multiply the same input, are concatenated into one node each
-(`params[...]["self_attn"]["qkv_proj"]`, `["mlp"]["gate_up_proj"]`): one kernel call for them. The kernel dequantises
-them in registers exactly as the converter did (`kernels/cpu_matmul.cc`), so a product with the blocks
-equals the float32 kernel's product with the converted weights bit for bit; products of more than
-`ModelConfig.kernel_rows` rows (prefill chunks) use the float32 weights.
+(`params[...]["self_attn"]["qkv_proj"]`, `["mlp"]["gate_up_proj"]`): one kernel call for them.
+The kernel dequantises them in registers exactly as the converter did (`kernels/cpu_matmul.cc`),
+so a product with the blocks equals the float32 kernel's product with the converted weights bit
+for bit; products of more than `ModelConfig.kernel_rows` rows (prefill chunks) use the float32
+weights.
 
 Each attached tensor is checked against its float32 counterpart (dequantised and compared
 exactly); a mismatch (a stale conversion, a different file) raises and names the tensor.
@@ -26,7 +27,7 @@ from typing import Callable, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from ..kernels.cpu_matmul import QUANT_BLOCK_BYTES, block_scales
+from ..kernels.cpu_matmul import QUANT_BLOCK_BYTES, block_scales, quant_kind
 from .config import ModelConfig
 from .gguf_loader import GGUFModel, _unpermute_rows
 
@@ -43,7 +44,7 @@ def _fuse(group: dict, fused: str, names: tuple[str, ...]) -> dict:
     """`group` with the blocks and scales of `names` (stacked [L, N, ...]) moved into one node
     `fused` [L, sum N, ...], if all of them hold blocks of one kind; else `group` unchanged. The
     float32 kernels stay where they are (prefill and the XLA path use them)."""
-    kinds = {next((k for k in QUANT_BLOCK_BYTES if k in group[n]), None) for n in names}
+    kinds = {quant_kind(group[n]) for n in names}
     if len(kinds) != 1 or None in kinds:
         return group
     kind = kinds.pop()
