@@ -273,6 +273,11 @@ def build_parser():
                         "to int8 for AVX512-VNNI products (i8), quantised to Q8_0 or to Q4_1 (smaller, faster, "
                         "coarser drafts), or their float16 values exactly; auto: b16 where the CPU has AVX512-BF16, "
                         "else i8 where it has AVX512-VNNI, else q8_0")
+    p.add_argument("--activations", default="auto", choices=("auto", "float32", "int8"),
+                   help="with the CPU kernel and a GGUF model: the target's few-row products on float32 rows of x "
+                        "(exactly the converted model, as transformers computes it) or on x rounded to int8 a "
+                        "32-value block (as llama.cpp computes GGUF models; about twice as fast a step); auto: int8 "
+                        "where the CPU has AVX512-VNNI. Speculative output equals plain output either way")
     p.add_argument("--prefill-chunk", default="auto",
                    help="prompt tokens per prefill pass: N, or BIG,TAIL (chunks of BIG while 3/4 of one remains, "
                         "then of TAIL); auto: 128,8 with the CPU kernel, else 64")
@@ -354,7 +359,7 @@ def main(argv=None) -> int:
 
     log = lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True)
     engine = Engine(args.model, dtype=args.dtype, attention=args.attention, layers=args.layers, matmul=args.matmul,
-                    draft_rows=args.draft_rows, prefill_chunk=prefill_chunk)
+                    draft_rows=args.draft_rows, activations=args.activations, prefill_chunk=prefill_chunk)
     for m in methods:
         if m in SPEC_METHODS:
             spec = args.drafter
@@ -389,7 +394,8 @@ def main(argv=None) -> int:
               "settings": {"prompts": args.prompts, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
                            "attention": args.attention, "layers": engine.layers, "matmul": engine.cfg.matmul_impl,
-                           "draft_rows": engine.draft_rows, "prefill_chunk": engine.prefill_chunk,
+                           "draft_rows": engine.draft_rows, "activations": engine.activations,
+                           "prefill_chunk": engine.prefill_chunk,
                            "gguf_blocks": engine.quantized, "drafter": args.drafter,
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     if tuned:

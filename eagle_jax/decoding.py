@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .cpu_jit import cpu_stable_jit
 from .models.config import ModelConfig
 from .models.decoder import KVCache, forward, lm_logits
 from .sampling import SamplingParams, sample
@@ -158,7 +159,7 @@ def _output(st: DecodeState, max_new_tokens) -> GenerateOutput:
     return GenerateOutput(st.tokens, st.length, st.num_new, st.calls + (max_new_tokens > 0))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, static_argnames=("cfg", "prefill_chunk"))
 def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
                     key, prefill_chunk=64) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row after each row's prompt.
@@ -176,7 +177,7 @@ def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_t
 # -- streaming: the same computation cut into calls, so a server can emit tokens as they come and
 # stop a generation between calls. Same key ⇒ same tokens as `generate_tokens`.
 
-@functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, static_argnames=("cfg", "prefill_chunk"))
 def decode_start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
                  key, prefill_chunk=64) -> DecodeState:
     """Prefill and the first token; continue with `decode_advance`."""
@@ -184,7 +185,7 @@ def decode_start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_toke
     return _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@functools.partial(cpu_stable_jit, static_argnames=("cfg",), donate_argnames=("state",))
 def decode_advance(params, cfg: ModelConfig, state: DecodeState, max_new_tokens, eos_ids, sp: SamplingParams, key,
                    n_steps) -> DecodeState:
     """Up to `n_steps` (dynamic) more decoding steps; stops early when every row is done."""
@@ -199,7 +200,7 @@ def decode_output(state: DecodeState, max_new_tokens) -> GenerateOutput:
     return _output(state, max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "prefill_chunk"), donate_argnames=("state",))
+@functools.partial(cpu_stable_jit, static_argnames=("cfg", "prefill_chunk"), donate_argnames=("state",))
 def decode_refill(params, cfg: ModelConfig, state: DecodeState, rows_r, tokens_rs, prompt_len_r, max_new_tokens,
                   eos_ids, sp: SamplingParams, key, prefill_chunk=64) -> DecodeState:
     """Continuous batching: start new prompts in rows `rows_r` of a running batch.

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .cpu_jit import cpu_stable_jit
 from .decoding import count_trace, prefill, prefill_plan, run_chunks
 from .draft.drafting import Tree, TreeBudget, draft_candidates, draft_tree
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
@@ -204,7 +205,7 @@ def _output(st: SpecState) -> SpecOutput:
     return SpecOutput(st.tokens, st.length, st.num_new, st.calls, st.acc, st.step)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
 def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens,
                          eos_ids, sp: SamplingParams, key, budget: TreeBudget, prefill_chunk=64) -> SpecOutput:
     """Generate up to `max_new_tokens` per row with EAGLE speculation (same contract as
@@ -220,7 +221,7 @@ def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, toke
 
 # -- streaming: the same computation cut into calls (same key ⇒ same tokens as speculative_generate).
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
 def spec_start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens, eos_ids,
                sp: SamplingParams, key, budget: TreeBudget, prefill_chunk=64) -> SpecState:
     """Target and head prefill and the first token; continue with `spec_advance`."""
@@ -229,7 +230,7 @@ def spec_start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, pro
                   prefill_chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "budget"), donate_argnames=("state",))
+@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget"), donate_argnames=("state",))
 def spec_advance(target_params, tcfg: ModelConfig, head: DraftHead, state: SpecState, max_new_tokens, eos_ids,
                  sp: SamplingParams, key, budget: TreeBudget, n_steps) -> SpecState:
     """Up to `n_steps` (dynamic) more verification steps; stops early when every row is done."""

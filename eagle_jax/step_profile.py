@@ -28,18 +28,19 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from .cpu_jit import cpu_stable_jit
 from .decoding import decode_advance, decode_start
 from .draft.drafting import TreeBudget
 from .models.config import ModelConfig
 from .speculative import propose_tree, spec_advance, spec_start, verify_tree
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "budget"))
+@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget"))
 def _draft(target_params, tcfg: ModelConfig, head, state, budget: TreeBudget):
     return propose_tree(head, target_params, tcfg, state, budget)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "depth"))
+@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "depth"))
 def _verify(target_params, tcfg: ModelConfig, head, state, tree, depth: int):
     out, logits = verify_tree(target_params, tcfg, head, state.tcache, tree, depth)
     return logits, out.captured

@@ -132,13 +132,15 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", default="default")
     p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--activations", default="auto", choices=("auto", "float32", "int8"),
+                   help="the target's few-row products on float32 or int8 rows of x (Engine's `activations`)")
     p.add_argument("--json", action="store_true", help="print the result JSON as the last stdout line")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
     from .engine import Engine
 
-    engine = Engine(args.model)
+    engine = Engine(args.model, activations=args.activations)
     methods = ["vanilla"]
     if args.method != "vanilla":
         engine.add_method(args.method, args.drafter)

@@ -144,14 +144,17 @@ def smollm2_engine():
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_engine):
-    """The real default target: (Engine, transformers model loaded from the same GGUF)."""
+def smollm2():
+    """The real default target computed exactly (`activations="float32"`: what transformers computes;
+    `smollm2_engine` rounds rows of x to int8 where the CPU has AVX512-VNNI), with the transformers
+    model loaded from the same GGUF: (Engine, model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from eagle_jax.engine import Engine
     from eagle_jax.models import registry
 
-    engine = smollm2_engine
+    engine = Engine("smollm2-135m-instruct", progress=False, activations="float32")
     gguf = registry.alias_gguf("smollm2-135m-instruct")
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     return engine, hf

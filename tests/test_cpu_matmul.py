@@ -339,6 +339,19 @@ def test_cache_attention_matches_reference(t, kvh, h, d, b):
     whole = np.asarray(f(q, k, v, 1, mask))
     for i in range(t):
         np.testing.assert_array_equal(np.asarray(f(q[:, i:i + 1], k, v, 1, mask[:, i:i + 1]))[:, 0], whole[:, i])
+    # ... and on the keys it sees, not on their slots: a tree node's ancestors sit at scattered slots,
+    # the same keys in a decoding step at consecutive ones
+    for i in range(t):
+        for r in range(b):
+            seen = np.flatnonzero(mask[r, i])
+            if not len(seen):
+                continue
+            kc, vc = k.copy(), v.copy()
+            kc[:, r, :len(seen)], vc[:, r, :len(seen)] = k[:, r, seen], v[:, r, seen]
+            mc = np.zeros_like(mask[:, i:i + 1])
+            mc[r, 0, :len(seen)] = True
+            packed = np.asarray(f(q[:, i:i + 1], kc, vc, 1, mc))[r, 0]
+            np.testing.assert_array_equal(packed, whole[r, i], err_msg=f"query {i} of row {r}")
 
 
 def test_cache_attention_rejects_mismatched_operands():

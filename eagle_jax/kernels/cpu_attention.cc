@@ -12,8 +12,11 @@
 //
 // Numbers: scores and the softmax in float32 (exp by a degree-6 polynomial on a power-of-two
 // reduction, Cephes' expf coefficients); a query with no visible key gets zeros, as the reference.
-// Each query's result depends only on its own mask (slots summed in ascending order), so a query
-// gives the same bits whether it is verified in a tree or decoded alone.
+// Each query's result depends only on its own mask and the values of the slots it sees, not on
+// where those slots lie: p @ v and the softmax's denominator are summed one visible slot at a time
+// in ascending order (a lane-wise sum of the exponentials would group them by slot % 16), so a
+// tree node, whose ancestors' keys sit at scattered slots, gets the bits a decoding step gets with
+// the same keys in consecutive slots.
 
 #include <immintrin.h>
 
@@ -36,15 +39,18 @@ namespace {
 // a[0, D) += w * vs[0, D) (defined below for each instruction set).
 inline void axpy(float w, const float* vs, float* a, int64_t D);
 
-// p @ v one value row and query at a time (acc [Q, D], zeroed by the caller): each query's sum
-// runs over the slots in ascending order, zero weights skipped. Either instruction set's `pv`
-// falls back to it.
+// p @ v one value row and query at a time (acc [Q, D] and den [Q], zeroed by the caller): each
+// query's sums (of w v_s into acc, of w into den) run over the slots in ascending order, zero
+// weights skipped. Either instruction set's `pv` falls back to it.
 inline void pv_by_rows(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
-                       float* acc) {
+                       float* acc, float* den) {
   for (int64_t s = 0; s < s_end; ++s)
     for (int64_t qi = 0; qi < Q; ++qi) {
       const float w = p[qi * sp + s];
-      if (w != 0.0f) axpy(w, vb + s * row, acc + qi * D, D);
+      if (w != 0.0f) {
+        axpy(w, vb + s * row, acc + qi * D, D);
+        den[qi] += w;
+      }
     }
 }
 
@@ -57,18 +63,14 @@ inline float row_max(const float* ps, int64_t sp) {
   return _mm512_reduce_max_ps(mx);
 }
 
-// ps[s] = exp(ps[s] - mval) where ps[s] > -inf, else 0 (sp % 16 == 0); returns their sum.
-inline float exp_row(float* ps, int64_t sp, float mval) {
+// ps[s] = exp(ps[s] - mval) where ps[s] > -inf, else 0 (sp % 16 == 0).
+inline void exp_row(float* ps, int64_t sp, float mval) {
   const __m512 mv = _mm512_set1_ps(mval);
-  __m512 sum = _mm512_setzero_ps();
   for (int64_t s = 0; s < sp; s += 16) {
     const __m512 x = _mm512_loadu_ps(ps + s);
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv)));
-    _mm512_storeu_ps(ps + s, e);
-    sum = _mm512_add_ps(sum, e);
+    _mm512_storeu_ps(ps + s, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv))));
   }
-  return _mm512_reduce_add_ps(sum);
 }
 
 inline void axpy(float w, const float* vs, float* a, int64_t D) {
@@ -111,11 +113,15 @@ inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64
   _mm512_storeu_ps(out, _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
 }
 
-// acc[qi][0, 16 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s for NQ queries, skipping
-// zero weights as pv_by_rows does; the accumulators stay in registers (NQ * VD <= 16).
+// acc[qi][0, 16 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s for NQ queries, and
+// den[qi] += p[qi][s], skipping zero weights as pv_by_rows does; the accumulators stay in
+// registers (NQ * VD <= 16).
 template <int VD, int NQ>
-void pv_block(const float* p, int64_t sp, int nq, const float* vb, int64_t row, int64_t s_end, float* acc) {
+void pv_block(const float* p, int64_t sp, int nq, const float* vb, int64_t row, int64_t s_end, float* acc,
+              float* den) {
   __m512 a[NQ][VD];
+  float dn[NQ];
+  for (int i = 0; i < NQ; ++i) dn[i] = i < nq ? den[i] : 0.0f;
   for (int i = 0; i < NQ; ++i)
     for (int j = 0; j < VD; ++j) a[i][j] = i < nq ? _mm512_loadu_ps(acc + (i * VD + j) * 16) : _mm512_setzero_ps();
   for (int64_t s = 0; s < s_end; ++s) {
@@ -128,33 +134,38 @@ void pv_block(const float* p, int64_t sp, int nq, const float* vb, int64_t row, 
       if (w == 0.0f) continue;
       const __m512 wv = _mm512_set1_ps(w);
       for (int j = 0; j < VD; ++j) a[i][j] = _mm512_fmadd_ps(wv, vv[j], a[i][j]);
+      dn[i] += w;
     }
   }
-  for (int i = 0; i < nq; ++i)
+  for (int i = 0; i < nq; ++i) {
     for (int j = 0; j < VD; ++j) _mm512_storeu_ps(acc + (i * VD + j) * 16, a[i][j]);
+    den[i] = dn[i];
+  }
 }
 
 template <int VD>
-void pv_all(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, float* acc) {
+void pv_all(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, float* acc,
+            float* den) {
   constexpr int NQ = 16 / VD < 1 ? 1 : (16 / VD > 4 ? 4 : 16 / VD);
   for (int64_t q0 = 0; q0 < Q; q0 += NQ)
-    pv_block<VD, NQ>(p + q0 * sp, sp, (int)std::min<int64_t>(NQ, Q - q0), vb, row, s_end, acc + q0 * VD * 16);
+    pv_block<VD, NQ>(p + q0 * sp, sp, (int)std::min<int64_t>(NQ, Q - q0), vb, row, s_end, acc + q0 * VD * 16,
+                     den + q0);
 }
 
 // p @ v for Q queries (acc [Q, D], zeroed by the caller): D = 16, 32, ..., 128 in registers, else
 // axpy row by row. Either way each query's sum runs over the slots in ascending order.
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
-               float* acc) {
+               float* acc, float* den) {
   switch (D % 16 ? 0 : D / 16) {
-    case 1: return pv_all<1>(p, sp, Q, vb, row, s_end, acc);
-    case 2: return pv_all<2>(p, sp, Q, vb, row, s_end, acc);
-    case 3: return pv_all<3>(p, sp, Q, vb, row, s_end, acc);
-    case 4: return pv_all<4>(p, sp, Q, vb, row, s_end, acc);
-    case 5: return pv_all<5>(p, sp, Q, vb, row, s_end, acc);
-    case 6: return pv_all<6>(p, sp, Q, vb, row, s_end, acc);
-    case 7: return pv_all<7>(p, sp, Q, vb, row, s_end, acc);
-    case 8: return pv_all<8>(p, sp, Q, vb, row, s_end, acc);
-    default: return pv_by_rows(p, sp, Q, vb, row, s_end, D, acc);
+    case 1: return pv_all<1>(p, sp, Q, vb, row, s_end, acc, den);
+    case 2: return pv_all<2>(p, sp, Q, vb, row, s_end, acc, den);
+    case 3: return pv_all<3>(p, sp, Q, vb, row, s_end, acc, den);
+    case 4: return pv_all<4>(p, sp, Q, vb, row, s_end, acc, den);
+    case 5: return pv_all<5>(p, sp, Q, vb, row, s_end, acc, den);
+    case 6: return pv_all<6>(p, sp, Q, vb, row, s_end, acc, den);
+    case 7: return pv_all<7>(p, sp, Q, vb, row, s_end, acc, den);
+    case 8: return pv_all<8>(p, sp, Q, vb, row, s_end, acc, den);
+    default: return pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den);
   }
 }
 #else
@@ -177,17 +188,13 @@ inline float row_max(const float* ps, int64_t sp) {
   return _mm_cvtss_f32(m);
 }
 
-inline float exp_row(float* ps, int64_t sp, float mval) {
+inline void exp_row(float* ps, int64_t sp, float mval) {
   const __m256 mv = _mm256_set1_ps(mval);
-  __m256 sum = _mm256_setzero_ps();
   for (int64_t s = 0; s < sp; s += 8) {
     const __m256 x = _mm256_loadu_ps(ps + s);
     const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(x, mv)));
-    _mm256_storeu_ps(ps + s, e);
-    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(ps + s, _mm256_and_ps(live, exp256(_mm256_sub_ps(x, mv))));
   }
-  return hsum(sum);
 }
 
 inline void axpy(float w, const float* vs, float* a, int64_t D) {
@@ -204,8 +211,8 @@ inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64
 }
 
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
-               float* acc) {
-  pv_by_rows(p, sp, Q, vb, row, s_end, D, acc);
+               float* acc, float* den) {
+  pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den);
 }
 #endif
 
@@ -260,9 +267,9 @@ struct Job {
         for (int64_t s = 0; s < sp; ++s) ps[s] = 0.0f;
         continue;
       }
-      denom[qi] = exp_row(ps, sp, mval);
+      exp_row(ps, sp, mval);
     }
-    pv(p, sp, Q, vb, row, s_end, D, acc);  // p @ v, each query's slots in ascending order
+    pv(p, sp, Q, vb, row, s_end, D, acc, denom.data());  // p @ v and the denominators, slots ascending
     for (int64_t qi = 0; qi < Q; ++qi) {
       const int64_t t = t0 + qi / G, g = qi % G;
       float* o = out + ((b * T + t) * H + kh * G + g) * D;

@@ -20,6 +20,9 @@
 //   eagle_jax_matmul_q4_1 / _q8_0: the same with w as GGUF Q4_1 / Q8_0 rows (uint8 [N, K/32 * 20|34]),
 //     plus their float32 scales, dequantised in registers: a step reads ~120 MiB of SmolLM2's
 //     weights instead of 540 MB.
+//   eagle_jax_matmul_q4_1x8 / _q8_0x8: those blocks regrouped 16 columns at a time, multiplied by
+//     rows of x rounded to int8 a 32-value block (as llama.cpp does; AVX512-VNNI's vpdpbusd sums a
+//     block's products in int32, then one float32 multiply-add scales them): kernels/cpu_qx.py.
 //
 // Every output is summed over k in one fixed order whatever M is and whichever rows share a
 // call, so one token's logits do not depend on how many tokens were verified with it.
@@ -49,6 +52,9 @@ constexpr int64_t kB16Tile = 64;   // output columns per packed bfloat16 tile
 constexpr int64_t kB16MaxK = 16384;
 constexpr int64_t kI8Tile = 64;    // output columns per packed int8 tile
 constexpr int64_t kI8MaxK = 16384;
+constexpr int64_t kQxCols = 16;  // output columns per group of GGUF blocks regrouped for int8 rows of x
+constexpr int64_t qx_group_bytes(bool q4) { return q4 ? 4 * 64 + 64 : 8 * 64 + 64; }  // a group's block
+inline int64_t qx_row_bytes(int64_t K) { return K + 8 * (K / 32); }  // int8 x[K], float sx[K/32], ms[K/32]
 
 // The quantized kernels stream their rows of w (and the rows' float32 scales) from memory, a few
 // rows at a time, with little work per byte; left to the hardware prefetchers, a step's 120 MiB of
@@ -146,6 +152,24 @@ BlockFn q_fn(int t) {
   }
 }
 
+template <bool Q4>
+BlockFn qx_fn(int t) {
+  switch (t) {
+    case 1: return qx_block<Q4, 1>;
+    case 2: return qx_block<Q4, 2>;
+    case 3: return qx_block<Q4, 3>;
+    case 4: return qx_block<Q4, 4>;
+    case 5: return qx_block<Q4, 5>;
+    case 6: return qx_block<Q4, 6>;
+    case 7: return qx_block<Q4, 7>;
+    case 8: return qx_block<Q4, 8>;
+    case 9: return qx_block<Q4, 9>;
+    case 10: return qx_block<Q4, 10>;
+    case 11: return qx_block<Q4, 11>;
+    default: return qx_block<Q4, 12>;
+  }
+}
+
 // Rows of x per pass over the weights for M rows.
 inline int64_t row_group(int64_t M, bool tiles, bool quantized) {
   if (tiles) return 4;  // b16 / i8
@@ -155,10 +179,13 @@ inline int64_t row_group(int64_t M, bool tiles, bool quantized) {
   return (M + passes - 1) / passes;  // balanced: 13-16 rows as two passes of 7 or 8
 }
 
-enum class Kind { kKN, kNK, kQ41, kQ80, kH16, kB16, kI8 };
+enum class Kind { kKN, kNK, kQ41, kQ80, kH16, kB16, kI8, kQX41, kQX80 };
+
+inline bool is_qx(Kind k) { return k == Kind::kQX41 || k == Kind::kQX80; }
 
 struct Job {
   const float* x;
+  std::unique_ptr<uint8_t[]> xq;  // qx kinds: the rows of x rounded to int8 once (qx_quantize), shared by all chunks
   const void* w;
   const float* scales;
   float* y;
@@ -169,14 +196,16 @@ struct Job {
 
   void run_chunk(int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-    const int64_t group =
-        row_group(M, kind == Kind::kB16 || kind == Kind::kI8, kind == Kind::kQ41 || kind == Kind::kQ80);
+    const int64_t group = row_group(M, kind == Kind::kB16 || kind == Kind::kI8,
+                                    kind == Kind::kQ41 || kind == Kind::kQ80 || is_qx(kind));
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const int t = (int)std::min<int64_t>(group, M - m0);
       BlockFn f = kind == Kind::kKN ? kn_fn(t) : kind == Kind::kNK ? nk_fn(t) : kind == Kind::kH16 ? h16_fn(t)
                 : kind == Kind::kB16 ? b16_fn(t) : kind == Kind::kI8 ? i8_fn(t)
-                : kind == Kind::kQ41 ? q_fn<true>(t) : q_fn<false>(t);
-      f(x + m0 * K, static_cast<const float*>(w), scales, y + m0 * N, K, N, n0, n1);
+                : kind == Kind::kQ41 ? q_fn<true>(t) : kind == Kind::kQ80 ? q_fn<false>(t)
+                : kind == Kind::kQX41 ? qx_fn<true>(t) : qx_fn<false>(t);
+      const float* xs = is_qx(kind) ? reinterpret_cast<const float*>(xq.get() + m0 * qx_row_bytes(K)) : x + m0 * K;
+      f(xs, static_cast<const float*>(w), scales, y + m0 * N, K, N, n0, n1);
     }
   }
   void work() {
@@ -193,13 +222,17 @@ void Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scal
   auto job = std::make_shared<Job>();
   job->x = x; job->w = w; job->scales = scales; job->y = y;
   job->M = M; job->K = K; job->N = N; job->kind = kind;
+  if (is_qx(kind)) {  // once, before any chunk: every chunk reads the same int8 rows
+    job->xq.reset(new uint8_t[M * qx_row_bytes(K)]);
+    qx_quantize(x, M, K, job->xq.get());
+  }
   static const int64_t max_threads = [] {
     const char* v = std::getenv("EAGLE_JAX_CPU_KERNEL_THREADS");
     return v && *v ? std::max<int64_t>(1, std::atoll(v)) : INT64_MAX;
   }();
   const int64_t threads = std::min(max_threads, std::max<int64_t>(1, pool.num_threads()));
   const bool tiles = kind == Kind::kB16 || kind == Kind::kI8;  // kB16Tile == kI8Tile
-  const int64_t align = kind == Kind::kKN ? 16 : tiles ? kB16Tile : 4;
+  const int64_t align = kind == Kind::kKN ? 16 : tiles ? kB16Tile : is_qx(kind) ? kQxCols : 4;
   // Row-wise kinds (nk, quantized) take many small chunks: a helper thread that wakes late finds
   // little left to do, and the caller never waits for more than one chunk after its own. kn
   // streams every row of w across its chunk's columns, so its chunks stay wide.
@@ -276,8 +309,21 @@ ffi::Error I8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+ffi::Error XMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
+                   bool q4) {
+  if (!kHaveQx) return ffi::Error::Internal("built without AVX512-VNNI: the int8-row GGUF kernels are unavailable");
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("x, w and y must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (K % 32 || N % kQxCols || wd[0] != N / kQxCols || wd[1] != K / 32 * qx_group_bytes(q4))
+    return ffi::Error::InvalidArgument("regrouped blocks must be [N / 16, K / 32 * group bytes] (K % 32 == 0)");
+  Run(pool, x.typed_data(), w.untyped_data(), nullptr, y->typed_data(), M, K, N, q4 ? Kind::kQX41 : Kind::kQX80);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+extern "C" int eagle_jax_has_qx() { return kHaveQx ? 1 : 0; }
 extern "C" int eagle_jax_has_b16() { return kHaveB16 ? 1 : 0; }
 extern "C" int eagle_jax_has_i8() { return kHaveI8 ? 1 : 0; }
 
@@ -307,6 +353,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulI8, I8Matmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+#define EAGLE_QX_HANDLER(NAME, Q4)                                                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, [](ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, \
+                                         ffi::ResultBuffer<ffi::F32> y) { return XMatmul(pool, x, w, y, Q4); },   \
+                                ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()           \
+                                    .Arg<ffi::Buffer<ffi::U8>>().Ret<ffi::Buffer<ffi::F32>>())
+EAGLE_QX_HANDLER(EagleMatmulQX41, true);
+EAGLE_QX_HANDLER(EagleMatmulQX80, false);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EagleMatmulF16, HMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());

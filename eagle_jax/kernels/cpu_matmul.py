@@ -44,10 +44,11 @@ ISAS = ("avx512", "avx2")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _TARGETS = {"kn": "eagle_jax_matmul_kn", "nk": "eagle_jax_matmul_nk", "q4_1": "eagle_jax_matmul_q4_1",
             "q8_0": "eagle_jax_matmul_q8_0", "f16": "eagle_jax_matmul_f16", "b16": "eagle_jax_matmul_b16",
-            "i8": "eagle_jax_matmul_i8", "attention": "eagle_jax_attention", "top_k": "eagle_jax_top_k"}
+            "i8": "eagle_jax_matmul_i8", "q4_1x8": "eagle_jax_matmul_q4_1x8", "q8_0x8": "eagle_jax_matmul_q8_0x8",
+            "attention": "eagle_jax_attention", "top_k": "eagle_jax_top_k"}
 _SYMBOLS = {"kn": "EagleMatmulKN", "nk": "EagleMatmulNK", "q4_1": "EagleMatmulQ41", "q8_0": "EagleMatmulQ80",
-            "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "i8": "EagleMatmulI8", "attention": "EagleAttention",
-            "top_k": "EagleTopK"}
+            "f16": "EagleMatmulF16", "b16": "EagleMatmulB16", "i8": "EagleMatmulI8", "q4_1x8": "EagleMatmulQX41",
+            "q8_0x8": "EagleMatmulQX80", "attention": "EagleAttention", "top_k": "EagleTopK"}
 QUANT_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per 32 weights (ggml block layouts)
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (measured on a 2-core Xeon: 16 rows break even)
 ANY_ROWS = 1 << 62  # `matmul(..., max_rows=ANY_ROWS)`: the kernel whatever the row count (a fixed order of sums)
@@ -133,7 +134,8 @@ def _load() -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build(isa)))
             for kind, name in _TARGETS.items():
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOLS[kind])), platform="cpu")
-            _state.update(ok=True, lib=lib, isa=isa, b16=bool(lib.eagle_jax_has_b16()), i8=bool(lib.eagle_jax_has_i8()))
+            _state.update(ok=True, lib=lib, isa=isa, b16=bool(lib.eagle_jax_has_b16()), i8=bool(lib.eagle_jax_has_i8()),
+                          qx=bool(lib.eagle_jax_has_qx()))
         except Exception as e:  # no compiler, no AVX-512/AVX2, a failed build: XLA's matmuls are used
             _state.update(ok=False, why=str(e))
             log.info("CPU matmul kernel unavailable: %s", e)
@@ -311,9 +313,14 @@ def imatmul(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int) -> jax.A
     return _rows_call("i8", x, n, packed, scales.astype(jnp.float32))
 
 
+QX_KINDS = {"q4_1x8": "q4_1", "q8_0x8": "q8_0"}  # GGUF blocks regrouped for int8 rows of x (kernels/cpu_qx.py)
+
+
 def quant_kind(variables) -> str | None:
-    """The GGUF block entry ("q4_1" / "q8_0") a layer's params hold beside their float32 weight, if any."""
-    return next((k for k in QUANT_BLOCK_BYTES if k in variables), None)
+    """The GGUF block entry a layer's params hold beside their float32 weight, if any: "q4_1" /
+    "q8_0" (the file's blocks, exact float32 products) or "q4_1x8" / "q8_0x8" (regrouped for int8
+    rows of x, `kernels.cpu_qx`)."""
+    return next((k for k in (*QUANT_BLOCK_BYTES, *QX_KINDS) if k in variables), None)
 
 
 def block_scales(blocks, kind: str):
@@ -336,8 +343,12 @@ def qmatmul(x: jax.Array, blocks: jax.Array, kind: str, scales: jax.Array | None
     not given; pass them precomputed for speed). Only through the custom call (check
     `available()`); any number of rows, meant for few (the decoder uses float32 weights above
     `ModelConfig.kernel_rows`)."""
+    if kind in QX_KINDS:
+        from .cpu_qx import xmatmul
+
+        return xmatmul(x, blocks, kind)
     if kind not in QUANT_BLOCK_BYTES:
-        raise ValueError(f"qmatmul: kind must be one of {tuple(QUANT_BLOCK_BYTES)}, got {kind!r}")
+        raise ValueError(f"qmatmul: kind must be one of {(*QUANT_BLOCK_BYTES, *QX_KINDS)}, got {kind!r}")
     k = x.shape[-1]
     n = blocks.shape[0]
     if blocks.dtype != jnp.uint8 or k % 32 or blocks.shape[1] != k // 32 * QUANT_BLOCK_BYTES[kind]:

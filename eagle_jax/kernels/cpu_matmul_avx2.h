@@ -216,3 +216,7 @@ void b16_block(const float*, const float*, const float*, float*, int64_t, int64_
 constexpr bool kHaveI8 = false;  // int8 tiles need AVX512-VNNI
 template <int T>
 void i8_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+constexpr bool kHaveQx = false;  // GGUF blocks x int8 rows need AVX512-VNNI
+inline void qx_quantize(const float*, int64_t, int64_t, uint8_t*) {}
+template <bool Q4, int T>
+void qx_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}

@@ -322,6 +322,94 @@ template <int T>
 void i8_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
+// ---------------------------------------------------------------- GGUF blocks x int8 rows (AVX512-VNNI)
+// The target's Q4_1 / Q8_0 blocks regrouped for int8 rows of x, as llama.cpp multiplies them (its
+// Q8_1 rows): each 32-value block of a row of x is rounded to int8 with its own scale (qx_quantize),
+// and vpdpbusd sums a block's 32 products of 4-bit (Q4_1) or biased 8-bit (Q8_0: u = q + 128)
+// weights with them exactly in int32, for 16 output columns at once; the sums are scaled per block in
+// float32. A weight is d u + m (Q4_1: the block's d, m; Q8_0: d, -128 d), so a block adds
+// d sx sum(u qx) + m sx sum(qx) to its column. Per 16 columns and block, 320 (Q4_1) or 576 (Q8_0)
+// bytes: kQxQuads(Q4) x 64 bytes of weights, then float16 d[16], m[16]; vector j's lane i holds
+// the weights of column i that meet bytes 4j .. 4j + 3 of the block of x (Q4_1: the low nibbles of
+// vector p pair with x bytes 8p .. 8p + 3, the high ones with 8p + 4 .. 8p + 7). A row's sums
+// depend on its own x only and run in one fixed order, whatever rows share the call.
+
+#ifdef __AVX512VNNI__
+constexpr bool kHaveQx = true;
+// M rows of x [M, K] (K % 32 == 0) → M rows of qx_row_bytes(K): per block of 32, sx = max |x| / 127,
+// q = x * (127 / max |x|) rounded to nearest even (0 for a zero block), ms = sx * sum(q).
+inline void qx_quantize(const float* x, int64_t M, int64_t K, uint8_t* out) {
+  const int64_t nb = K / 32;
+  for (int64_t t = 0; t < M; ++t) {
+    uint8_t* row = out + t * qx_row_bytes(K);
+    float* sx = reinterpret_cast<float*>(row + K);
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 lo = _mm512_loadu_ps(x + t * K + 32 * b), hi = _mm512_loadu_ps(x + t * K + 32 * b + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 32 * b), _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 32 * b + 16), _mm512_cvtepi32_epi8(qhi));
+      sx[b] = amax / 127.0f;
+      sx[nb + b] = sx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+  }
+}
+
+// T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1).
+template <bool Q4, int T>
+void qx_block(const float* xq_as_float, const float* w_as_float, const float*, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(xq_as_float);  // BlockFn's signature; really bytes
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);
+  constexpr int64_t GB = qx_group_bytes(Q4), WB = GB - 64;
+  const int64_t nb = K / 32, stride = qx_row_bytes(K);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; n += kQxCols) {
+    const uint8_t* wg = w + (n / kQxCols) * nb * GB;
+    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = wg + b * GB;
+      __m512i wv[8];
+      if (Q4) {
+        for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(wb + 64 * p);
+          wv[2 * p] = _mm512_and_si512(v, low4);
+          wv[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(wb + 64 * j);
+      }
+      const __m512i sc = _mm512_loadu_si512(wb + WB);
+      const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
+      const __m512 m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sc, 1));
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* xr = xq + t * stride;
+        const int32_t* xb = reinterpret_cast<const int32_t*>(xr + 32 * b);
+        const float* xs = reinterpret_cast<const float*>(xr + K);
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(xb[0]));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_set1_epi32(xb[1]));
+        for (int j = 2; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, wv[j], _mm512_set1_epi32(xb[j]));
+          s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], _mm512_set1_epi32(xb[j + 1]));
+        }
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(xs[b])), acc[t]);
+        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[nb + b]), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * N + n, acc[t]);
+  }
+}
+#else
+constexpr bool kHaveQx = false;
+inline void qx_quantize(const float*, int64_t, int64_t, uint8_t*) {}
+template <bool Q4, int T>
+void qx_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
 // Quantized rows: up to 12 rows of x in one pass over the weights (kQOnePass; R = 1 row of w at a
 // time above 8), so a verification pass of 9 to 12 tree tokens decodes each block once. Above 12
 // the one-row-of-w passes run out of load bandwidth (every block reloads all T rows of x), and two

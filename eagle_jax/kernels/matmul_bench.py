@@ -6,7 +6,8 @@ results, through (a) XLA's dot on float32 weights, (b) the float32 CPU kernel (A
 (`cpu_matmul.matmul`), (c) the kernel on Q4_1 blocks (`cpu_matmul.qmatmul` with precomputed
 scales; random weights quantised with gguf), as the target's layers use it, and the draft head's
 row kinds: (d) Q8_0 blocks and, where the kernel has AVX512-VNNI, (e) int8 tiles
-(`cpu_matmul.imatmul`). Median milliseconds over `--reps` runs after a warm-up, all measured side
+(`cpu_matmul.imatmul`) and (f) the Q4_1 blocks regrouped for int8 rows of x (`cpu_qx.xmatmul`, the
+target's layers with `activations="int8"`). Median milliseconds over `--reps` runs after a warm-up, all measured side
 by side in one process; a Markdown table on stdout.
 
     python -m eagle_jax.bench matmul --rows 1,2,4,8,16
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cpu_matmul as cm
+from . import cpu_qx
 
 
 def _median_ms(fn, args, reps: int) -> float:
@@ -52,11 +54,13 @@ def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, 
 
     q = {kind: quantized(kind) for kind in ("q4_1", "q8_0")}
     i8 = [tuple(map(jnp.asarray, cm.pack_i8(w.T))) for w in w_nk] if cm.i8_available() else None
+    qx = [jnp.asarray(cpu_qx.regroup(np.asarray(b), "q4_1x8")) for b, _ in q["q4_1"]] if cpu_qx.available() else None
 
     xla = jax.jit(lambda x, ws: sum(jnp.dot(x, w).sum() for w in ws))
     f32 = jax.jit(lambda x, ws: sum(cm.matmul(x, w).sum() for w in ws))
     qsum = jax.jit(lambda x, bs, kind: sum(cm.qmatmul(x, b, kind, s).sum() for b, s in bs), static_argnames="kind")
     i8_fn = jax.jit(lambda x, ps: sum(cm.imatmul(x, p, s, n).sum() for p, s in ps))
+    qx_fn = jax.jit(lambda x, gs: sum(cpu_qx.xmatmul(x, g, "q4_1x8").sum() for g in gs))
     out = []
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
@@ -64,6 +68,7 @@ def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, 
         for kind, bs in q.items():
             row[f"kernel_{kind}_ms"] = _median_ms(functools.partial(qsum, kind=kind), (x, bs), reps)
         row["kernel_i8_ms"] = _median_ms(i8_fn, (x, i8), reps) if i8 is not None else None
+        row["kernel_q4_1x8_ms"] = _median_ms(qx_fn, (x, qx), reps) if qx is not None else None
         out.append(row)
     return out
 
@@ -78,10 +83,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     res = run(tuple(int(r) for r in args.rows.split(",")), args.k, args.n, args.matrices, args.reps)
     print(f"{args.matrices} products [T, {args.k}] x [{args.k}, {args.n}], median ms over {args.reps} runs\n")
-    print("| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks | kernel Q8_0 blocks | kernel int8 tiles |\n"
-          "|---|---|---|---|---|---|")
+    print("| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks | kernel Q8_0 blocks | kernel int8 tiles "
+          "| kernel Q4_1 x int8 rows |\n|---|---|---|---|---|---|---|")
     for r in res:
-        i8 = "—" if r["kernel_i8_ms"] is None else f"{r['kernel_i8_ms']:.2f}"
+        i8, qx = ("—" if r[c] is None else f"{r[c]:.2f}" for c in ("kernel_i8_ms", "kernel_q4_1x8_ms"))
         print(f"| {r['rows']} | {r['xla_ms']:.2f} | {r['kernel_f32_ms']:.2f} | {r['kernel_q4_1_ms']:.2f} "
-              f"| {r['kernel_q8_0_ms']:.2f} | {i8} |")
+              f"| {r['kernel_q8_0_ms']:.2f} | {i8} | {qx} |")
     return 0

@@ -213,7 +213,7 @@ def fused_product(module: nn.Module, cfg: ModelConfig, name: str, x):
     kind = quant_kind(node) if node is not None else None
     if kind is None:
         return None
-    return qmatmul(x, node[kind], kind, node[f"{kind}_scales"]).astype(cfg.jnp_dtype)
+    return qmatmul(x, node[kind], kind, node.get(f"{kind}_scales")).astype(cfg.jnp_dtype)
 
 
 def _bias(module: nn.Module, name: str):

@@ -143,6 +143,47 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
     return out
 
 
+ACTIVATIONS = ("auto", "float32", "int8")
+
+
+def resolve_activations(activations: str) -> str:
+    """"auto" → "int8" where the kernel has AVX512-VNNI (`kernels.cpu_qx.available()`), else
+    "float32"; other choices are checked."""
+    from ..kernels import cpu_qx
+
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations == "auto":
+        return "int8" if cpu_qx.available() else "float32"
+    if activations == "int8" and not cpu_qx.available():
+        raise RuntimeError("activations 'int8' need the CPU kernel built with AVX512-VNNI, which this machine lacks")
+    return activations
+
+
+def regroup_for_int8(params):
+    """`params` with every node's GGUF blocks ("q4_1" / "q8_0" and their scales, as
+    `attach_gguf_blocks` leaves them, stacked layers and fused projections included) regrouped for
+    int8 rows of x ("q4_1x8" / "q8_0x8", `kernels.cpu_qx.regroup`): the kernel's products then round
+    each 32-value block of x to int8 and multiply as llama.cpp does, instead of computing the
+    converted float32 model exactly. A node whose outputs are not a multiple of 16 keeps its blocks.
+    The float32 weights stay (products of more than `ModelConfig.kernel_rows` rows use them; the
+    Engine lifts that limit under int8 rows)."""
+    from ..kernels.cpu_qx import COLS, regroup
+
+    def walk(node):
+        if isinstance(node, (list, tuple)):  # layers unrolled (`with_layer_layout`)
+            return type(node)(walk(v) for v in node)
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        kind = quant_kind(node)
+        if kind in QUANT_BLOCK_BYTES and node[kind].shape[-2] % COLS == 0:
+            del out[kind], out[f"{kind}_scales"]
+            out[f"{kind}x8"] = jnp.asarray(regroup(np.asarray(node[kind]), f"{kind}x8"))
+        return out
+
+    return walk(params)
+
 
 DRAFT_ROWS = ("auto", "b16", "i8", "q8_0", "q4_1", "f16")
 

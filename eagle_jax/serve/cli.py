@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "to int8 for AVX512-VNNI products (i8), quantised to Q8_0 or to Q4_1 (smaller, faster, "
                         "coarser drafts), or its float16 checkpoint values exactly; auto: b16 where the CPU has "
                         "AVX512-BF16, else i8 where it has AVX512-VNNI, else q8_0 (the output is the same whichever)")
+    p.add_argument("--activations", default="auto", choices=("auto", "float32", "int8"),
+                   help="with the CPU kernel and a GGUF model: the target's few-row products on float32 rows of x "
+                        "(exactly the converted model, as transformers computes it) or on x rounded to int8 a "
+                        "32-value block (as llama.cpp computes GGUF models; about twice as fast a step); auto: int8 "
+                        "where the CPU has AVX512-VNNI. Speculative output equals plain output either way")
     p.add_argument("--prefill-chunk", default="auto",
                    help="prompt tokens per prefill pass: N, or BIG,TAIL (chunks of BIG while 3/4 of one remains, "
                         "then of TAIL); auto: 128,8 with the CPU kernel, else 64")
@@ -175,8 +180,9 @@ def main(argv=None) -> int:
 
         cache = args.max_cache_len or (SERVING_CACHE_LEN if args.chat else None)
         engine = Engine(args.model, dtype=args.dtype, attention=args.attention, max_cache_len=cache,
-                        layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows, method=method,
-                        drafter=args.drafter, budget=budget, prefill_chunk=parse_prefill_chunk(args.prefill_chunk))
+                        layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows,
+                        activations=args.activations, method=method, drafter=args.drafter, budget=budget,
+                        prefill_chunk=parse_prefill_chunk(args.prefill_chunk))
     except (ValueError, OSError, RuntimeError) as e:  # unknown model, bad checkpoint, failed download
         return _fail(str(e))
     if tune_path is not None:
@@ -221,6 +227,7 @@ def _serve(args, method: str, budget, tune_path=None) -> int:
                             tune_lookups=None if args.lookup is None else (),
                             tune_lookup_ngrams=None if args.lookup_min_ngram is None else (),
                             dtype=args.dtype, layers=args.layers, matmul=args.matmul, draft_rows=args.draft_rows,
+                            activations=args.activations,
                             prefill_chunk=parse_prefill_chunk(args.prefill_chunk), attention=args.attention,
                             max_cache_len=args.max_cache_len or SERVING_CACHE_LEN,
                             cache_buckets=buckets,

@@ -55,6 +55,7 @@ class ServeOptions:
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
     matmul: str = "auto"  # weight products: cpu_kernel | xla | auto (Engine's `matmul`)
     draft_rows: str = "auto"  # the head's rows for the CPU kernel: auto | b16 | i8 | q8_0 | q4_1 | f16 (Engine's)
+    activations: str = "auto"  # the target's few-row products on float32 or int8 rows of x: auto | float32 | int8
     prefill_chunk: object = None  # Engine's `prefill_chunk`: N, (big, tail) or None (its default)
     max_cache_len: int = SERVING_CACHE_LEN
     cache_buckets: tuple[int, ...] = ()  # () = 512 and max_cache_len
@@ -115,7 +116,8 @@ class ServerState:
                 method = pick_method(o.model, o.method, o.drafter)
                 self._say(f"loading {o.model} (method {method}) ...")
                 self.engine = Engine(o.model, dtype=o.dtype, attention=o.attention, max_cache_len=o.max_cache_len,
-                                     layers=o.layers, matmul=o.matmul, draft_rows=o.draft_rows, method=method,
+                                     layers=o.layers, matmul=o.matmul, draft_rows=o.draft_rows,
+                                     activations=o.activations, method=method,
                                      drafter=o.drafter, budget=o.budget, progress=self.progress,
                                      prefill_chunk=o.prefill_chunk)
                 self.model_name = o.served_model_name or self.engine.name

@@ -1,0 +1,143 @@
+"""GGUF blocks multiplied by int8 rows of x, as llama.cpp's CPU path multiplies them (AVX512-VNNI).
+
+The exact kernels (`cpu_matmul.qmatmul` on "q4_1" / "q8_0" blocks) dequantise every weight to
+float32 in registers and multiply in float32: one fused multiply-add a weight and row, so a 5-row
+tree verification costs several times a 1-row step once the weights are in cache. llama.cpp
+instead rounds each 32-value block of a row of x to int8 with its own scale (its Q8_1 rows) and
+sums the 32 products of a block exactly in int32, four a lane and instruction (vpdpbusd); the
+target then computes with the same weights and slightly rounded activations.
+
+`regroup(blocks, kind)` lays a matrix's GGUF rows out for that product, 16 output columns at a
+time ("q4_1x8" / "q8_0x8", the kernel's layout in `cpu_matmul_avx512.h`), and `xmatmul` runs it.
+`reference_xmatmul` is the same arithmetic in numpy (the tests' yardstick). Each row's result
+depends on that row only and is summed in one fixed order, so one token's logits do not depend on
+which tokens are verified with it: speculative decoding stays exactly as lossless as with the
+float32 products, against a plain decoder that uses the same kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import cpu_matmul as cm
+
+COLS = 16  # output columns a group (kQxCols)
+QUADS = {"q4_1x8": 4, "q8_0x8": 8}  # 64-byte weight vectors a group's block; then 64 bytes of float16 d[16], m[16]
+GROUP_BYTES = {k: 64 * q + 64 for k, q in QUADS.items()}
+
+
+def available() -> bool:
+    """True when the kernel is built with AVX512-VNNI (`xmatmul` runs here)."""
+    return cm.available() and cm._state.get("qx", False)
+
+
+def _weights(blocks: np.ndarray, gguf: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF rows [..., N, nb * bytes] → (u uint8 [..., N, nb, 32] in the block's weight order, d and
+    m float16 [..., N, nb]) with weight = d * u + m exactly as gguf dequantises it (Q8_0: u = q + 128,
+    m = -128 d, exact in float16)."""
+    b = np.asarray(blocks, np.uint8)
+    size = cm.QUANT_BLOCK_BYTES[gguf]
+    b = b.reshape(*b.shape[:-1], b.shape[-1] // size, size)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    if gguf == "q4_1":
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
+        qs = b[..., 4:20]
+        u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # byte j holds weights j (low) and j + 16 (high)
+    else:
+        u = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        m = (d.astype(np.float32) * np.float32(-128)).astype(np.float16)
+    return u, d, m
+
+
+def regroup(blocks, kind: str) -> np.ndarray:
+    """GGUF rows (uint8 [..., N, K/32 * 20 | 34], N % 16 == 0) → the kernel's groups, uint8
+    [..., N/16, K/32 * GROUP_BYTES[kind]]: for each block b of 16 columns, QUADS vectors of 64 bytes
+    (vector j, lane i: the 4 weights of column i met by bytes 4j .. 4j + 3 of x's block; Q4_1 packs
+    vectors 2p and 2p + 1 as the low and high nibbles of 64 bytes), then d[16] and m[16] as float16."""
+    gguf = cm.QX_KINDS[kind]
+    u, d, m = _weights(blocks, gguf)
+    *lead, n, nb, _ = u.shape
+    if n % COLS:
+        raise ValueError(f"regroup: {n} output columns are not a multiple of {COLS}")
+    g = n // COLS
+    # [..., g, i, b, j, c] → [..., g, b, j, i, c]: vector j's lane i holds bytes c of column i
+    u = u.reshape(*lead, g, COLS, nb, 8, 4)
+    u = np.moveaxis(u, -4, -2)  # [..., g, b, j, i, c]
+    if kind == "q4_1x8":
+        u = u[..., 0::2, :, :] | (u[..., 1::2, :, :] << 4)  # [..., g, b, 4, i, c]
+    w = u.reshape(*lead, g, nb, QUADS[kind] * 64)
+
+    def per_block(s):  # [..., N, nb] float16 → [..., g, nb, 16] bytes
+        s = np.moveaxis(s.reshape(*lead, g, COLS, nb), -1, -2)
+        return np.ascontiguousarray(s).view(np.uint8)
+
+    out = np.concatenate([w, per_block(d), per_block(m)], axis=-1)
+    return np.ascontiguousarray(out.reshape(*lead, g, nb * GROUP_BYTES[kind]))
+
+
+def _split(groups: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A matrix's groups [N/16, K/32 * GROUP_BYTES] → (u float32 [N, K/32, 32], d, m float32 [N, K/32])."""
+    gb = GROUP_BYTES[kind]
+    a = np.asarray(groups, np.uint8)
+    g, nb = a.shape[0], a.shape[1] // gb
+    a = a.reshape(g, nb, gb)
+    w, sc = a[..., : gb - 64], np.ascontiguousarray(a[..., gb - 64:]).view(np.float16)  # sc [g, nb, 32]
+    if kind == "q4_1x8":
+        w = w.reshape(g, nb, 4, COLS, 4)
+        w = np.stack([w & 0x0F, w >> 4], axis=3).reshape(g, nb, 8, COLS, 4)
+    else:
+        w = w.reshape(g, nb, 8, COLS, 4)
+    u = np.moveaxis(w, 3, 1).reshape(g * COLS, nb, 32).astype(np.float32)
+    d = np.moveaxis(sc[..., :COLS], -1, 1).reshape(g * COLS, nb).astype(np.float32)
+    m = np.moveaxis(sc[..., COLS:], -1, 1).reshape(g * COLS, nb).astype(np.float32)
+    return u, d, m
+
+
+def dequantize(groups: np.ndarray, kind: str) -> np.ndarray:
+    """float32 weights [N, K] of a matrix's groups: d * u + m, as gguf dequantises the blocks."""
+    u, d, m = _split(groups, kind)
+    return (d[..., None] * u + m[..., None]).reshape(u.shape[0], -1)
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's rounding of rows x [M, K] (K % 32 == 0) in numpy: (q int8 [M, K], sx [M, K/32],
+    ms [M, K/32]) with sx = max |x| / 127 a block, q = x * (127 / max |x|) rounded to nearest even
+    (0 for a zero block), ms = sx * sum(q)."""
+    x = np.asarray(x, np.float32)
+    mrows, k = x.shape
+    xb = x.reshape(mrows, k // 32, 32)
+    amax = np.abs(xb).max(axis=-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int32)
+    sx = (amax / np.float32(127)).astype(np.float32)
+    ms = (sx * q.sum(axis=-1).astype(np.float32)).astype(np.float32)
+    return q.reshape(mrows, k).astype(np.int8), sx, ms
+
+
+def reference_xmatmul(x: np.ndarray, groups: np.ndarray, kind: str) -> np.ndarray:
+    """`xmatmul` in numpy (float64 sums of the same integers and scales; the kernel rounds each
+    block's float32 multiply-adds, so the two agree to float32 rounding): y[t, n] = sum over blocks
+    of d sx sum(u q) + m ms."""
+    u, d, m = (a.astype(np.float64) for a in _split(groups, kind))
+    q, sx, ms = quantize_rows(x)
+    isum = np.einsum("nbk,tbk->tnb", u, q.reshape(len(q), -1, 32).astype(np.float64))  # exact integers
+    y = isum * (d[None] * sx[:, None, :].astype(np.float64)) + m[None] * ms[:, None, :].astype(np.float64)
+    return y.sum(-1).astype(np.float32)
+
+
+def xmatmul(x: jax.Array, groups: jax.Array, kind: str) -> jax.Array:
+    """x[..., K] @ w.T → [..., N] float32 with `groups = regroup(blocks, kind)` (uint8 [N/16, K/32 *
+    GROUP_BYTES]): each 32-value block of a row of x rounded to int8 with its own scale, the
+    products summed exactly in int32 and scaled per block in float32. Only through the custom call
+    (check `available()`)."""
+    if kind not in GROUP_BYTES:
+        raise ValueError(f"xmatmul: kind must be one of {tuple(GROUP_BYTES)}, got {kind!r}")
+    k = x.shape[-1]
+    if groups.dtype != jnp.uint8 or groups.ndim != 2 or k % 32 or groups.shape[1] != k // 32 * GROUP_BYTES[kind]:
+        raise ValueError(f"xmatmul: {kind} groups {tuple(groups.shape)} {groups.dtype} do not fit K={k}")
+    if not available():
+        raise RuntimeError("xmatmul needs the CPU matmul kernel built with AVX512-VNNI: "
+                           + (cm.unavailable_reason() or "this CPU has no AVX512-VNNI"))
+    return cm._rows_call(kind, x, groups.shape[0] * COLS, groups)

@@ -1,0 +1,152 @@
+"""GGUF blocks multiplied by int8 rows of x (kernels/cpu_qx.py, `Engine(activations="int8")`): the
+regrouped blocks hold exactly gguf's weights, the kernel computes the stated int8 arithmetic, each
+row's result is its own bit for bit whatever rows share the call, and a model decoding through
+the regrouped blocks stays lossless and close to the float32 model. The float32 products of the
+same blocks are tested in test_gguf_blocks.py."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from eagle_jax.kernels import cpu_qx
+from eagle_jax.models.checkpoint import load_hf_dir
+from eagle_jax.models.decoder import forward, lm_logits, unstack_layers
+from eagle_jax.models.gguf_loader import convert_gguf_to_hf_dir
+from eagle_jax.models.quantized import attach_gguf_blocks, regroup_for_int8, resolve_activations
+from decode_util import decode
+from gguf_util import tiny_config, write_tiny_gguf
+
+needs_qx = pytest.mark.skipif(not cpu_qx.available(), reason="the CPU kernel has no AVX512-VNNI here")
+KINDS = {"q4_1x8": "Q4_1", "q8_0x8": "Q8_0"}
+
+
+def _blocks(kind, n, k, seed=0):
+    w = (0.05 * np.random.default_rng(seed).standard_normal((n, k))).astype(np.float32)
+    w[3, :32] = 0  # an all-zero block
+    qt = GGMLQuantizationType[KINDS[kind]]
+    blocks = quants.quantize(w, qt)
+    return blocks, quants.dequantize(blocks, qt).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_regrouped_blocks_hold_ggufs_weights(kind):
+    blocks, want = _blocks(kind, 48, 96)
+    groups = cpu_qx.regroup(blocks, kind)
+    assert groups.shape == (3, 3 * cpu_qx.GROUP_BYTES[kind]) and groups.dtype == np.uint8
+    np.testing.assert_array_equal(cpu_qx.dequantize(groups, kind), want)
+    stacked = cpu_qx.regroup(np.stack([blocks, blocks[::-1]]), kind)  # stacked layers regroup alike
+    np.testing.assert_array_equal(stacked[0], groups)
+    np.testing.assert_array_equal(cpu_qx.dequantize(stacked[1], kind), want[::-1])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_qx.regroup(blocks[:40], kind)
+
+
+def test_rows_round_to_int8_per_block():
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    x[1, 32:] = 0
+    q, sx, ms = cpu_qx.quantize_rows(x)
+    assert q.dtype == np.int8 and np.abs(q).max() == 127 and sx[1, 1] == 0 and not q[1, 32:].any()
+    back = q.reshape(2, 2, 32) * sx[..., None]
+    assert np.abs(back.reshape(2, 64) - x).max() <= sx.max() / 2 + 1e-7  # half a step at most
+    np.testing.assert_allclose(ms, sx * q.reshape(2, 2, 32).sum(-1), rtol=1e-6)
+
+
+@needs_qx
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("k,n", [(64, 32), (576, 960), (1536, 64)])
+def test_kernel_computes_the_int8_products_each_row_its_own(kind, k, n):
+    blocks, deq = _blocks(kind, n, k, seed=k + n)
+    groups = jnp.asarray(cpu_qx.regroup(blocks, kind))
+    x = np.random.default_rng(2).standard_normal((15, k)).astype(np.float32)
+    x[4] = 0  # a row of zeros gives zeros
+    y = np.asarray(cpu_qx.xmatmul(jnp.asarray(x), groups, kind))
+    want = cpu_qx.reference_xmatmul(x, np.asarray(groups), kind)
+    np.testing.assert_allclose(y, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert not y[4].any()
+    exact = x @ deq.T  # int8 rows: near float32's product, not equal to it
+    assert 1e-4 < np.abs(y - exact).max() / np.abs(exact).max() < 3e-2
+    for t in (1, 5, 12):  # 1, 5 and 12 rows in one pass; 15 as two passes
+        part = np.asarray(cpu_qx.xmatmul(jnp.asarray(x[-t:]), groups, kind))
+        np.testing.assert_array_equal(part, y[-t:])
+
+
+@needs_qx
+def test_xmatmul_checks_its_operands():
+    blocks, _ = _blocks("q4_1x8", 32, 64)
+    groups = jnp.asarray(cpu_qx.regroup(blocks, "q4_1x8"))
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_qx.xmatmul(jnp.ones((1, 96)), groups, "q4_1x8")
+    with pytest.raises(ValueError, match="kind"):
+        cpu_qx.xmatmul(jnp.ones((1, 64)), groups, "q4_0x8")
+    with pytest.raises(ValueError, match="activations"):
+        resolve_activations("int4")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    cfg = tiny_config("llama", tied=True)
+    types = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(cfg.num_layers)
+             for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    types["model.embed_tokens.weight"] = "Q8_0"
+    d = tmp_path_factory.mktemp("qxgguf")
+    write_tiny_gguf(d / "m.gguf", cfg, types, seed=3)
+    convert_gguf_to_hf_dir(d / "m.gguf", d / "hf", progress=False)
+    cfg, params = load_hf_dir(d / "hf")
+    return d, dataclasses.replace(cfg, matmul_impl="cpu_kernel"), params
+
+
+@needs_qx
+def test_model_through_int8_rows_is_close_to_float32_and_lossless(tiny_gguf):
+    from eagle_jax.draft import DraftConfig, TreeBudget, init_head
+    from eagle_jax.draft import oracle_head
+
+    d, kcfg, params = tiny_gguf
+    blocks = attach_gguf_blocks(params, kcfg, d / "m.gguf")
+    qx = regroup_for_int8(blocks)
+    layer = qx["layers"]["self_attn"]
+    assert set(layer["qkv_proj"]) == {"q4_1x8"}
+    assert "q8_0" in qx["embed_tokens"] and kcfg.vocab_size % 16  # 261 outputs: left to the exact kernel
+    assert "q4_1" not in layer["o_proj"] and "kernel" in layer["o_proj"]  # float32 weights kept (prefill)
+    f32, i8 = unstack_layers(blocks), unstack_layers(qx)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, kcfg.vocab_size, (1, 6)), jnp.int32)
+    logits = jax.jit(lambda p: lm_logits(p, kcfg, forward(p, kcfg, tokens).hidden))
+    want, got = np.asarray(logits(f32)), np.asarray(logits(i8))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < err < 3e-2, err
+    zeroed = jax.tree.map(lambda a: a, i8)  # the products read the groups
+    down = zeroed["layers"][0]["mlp"]["down_proj"]
+    down["q4_1x8"] = jnp.zeros_like(down["q4_1x8"])
+    assert not np.allclose(np.asarray(logits(zeroed)), got, atol=1e-3)
+
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    plain, lens = decode(i8, kcfg, prompts, 24)
+    random_head = init_head(DraftConfig.for_target("eagle3", kcfg, draft_vocab_size=kcfg.vocab_size,
+                                                   target_layers=(0, 1, 2)), jax.random.PRNGKey(5))
+    for head in (random_head, oracle_head(kcfg, i8)):  # drafts mostly rejected; drafts all accepted
+        for budget in (TreeBudget("dynamic", total_tokens=6, depth=3, top_k=3),
+                       TreeBudget("dynamic", total_tokens=20, depth=4, top_k=5)):  # 40 rows: two passes
+            spec, _ = decode(i8, kcfg, prompts, 24, head=head, budget=budget)
+            for r, n in enumerate(lens):
+                assert list(spec[r, n:n + 24]) == list(plain[r, n:n + 24])
+
+
+def test_decoding_programs_compile_alike_on_the_cpu():
+    """The plain and speculative decoding programs are `cpu_stable_jit`s: on the CPU backend they
+    compile with XLA's older fusion emitters, whose roundings do not depend on the program (see
+    eagle_jax/cpu_jit.py; the real model's check: test_speculative_smollm2.py under int8 rows)."""
+    from eagle_jax import cpu_jit, decoding, speculative
+
+    for fn in (decoding.generate_tokens, decoding.decode_start, decoding.decode_advance,
+               speculative.speculative_generate, speculative.spec_start, speculative.spec_advance):
+        assert isinstance(fn, cpu_jit.cpu_stable_jit), fn
+    f = cpu_jit.cpu_stable_jit(lambda x, n: x * 2.0 + n, static_argnames=("n",))
+    assert np.asarray(f(jnp.ones(3), n=1)).tolist() == [3.0, 3.0, 3.0] and f.__name__ == "<lambda>"
+    assert (f._cpu._cache_size(), f._plain._cache_size()) == ((1, 0) if jax.default_backend() == "cpu" else (0, 1))
+    assert "multiply" in f.lower(jnp.ones(3), n=1).as_text()
+    f.clear_cache()
+    assert f._cache_size() == 0
