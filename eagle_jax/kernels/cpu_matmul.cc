@@ -134,41 +134,27 @@ BlockFn i8_fn(int t) {  // at most 4 rows a pass, as b16
   }
 }
 
-template <bool Q4>
-BlockFn q_fn(int t) {
-  switch (t) {
-    case 1: return q_block<Q4, 1>;
-    case 2: return q_block<Q4, 2>;
-    case 3: return q_block<Q4, 3>;
-    case 4: return q_block<Q4, 4>;
-    case 5: return q_block<Q4, 5>;
-    case 6: return q_block<Q4, 6>;
-    case 7: return q_block<Q4, 7>;
-    case 8: return q_block<Q4, 8>;
-    case 9: return q_block<Q4, 9>;
-    case 10: return q_block<Q4, 10>;
-    case 11: return q_block<Q4, 11>;
-    default: return q_block<Q4, 12>;
+// The <Q4, T rows of x> instance of a quantized block kernel (T <= 12: kQOnePass).
+#define EAGLE_Q_ROWS_FN(NAME, BLOCK)          \
+  template <bool Q4>                          \
+  BlockFn NAME(int t) {                       \
+    switch (t) {                              \
+      case 1: return BLOCK<Q4, 1>;            \
+      case 2: return BLOCK<Q4, 2>;            \
+      case 3: return BLOCK<Q4, 3>;            \
+      case 4: return BLOCK<Q4, 4>;            \
+      case 5: return BLOCK<Q4, 5>;            \
+      case 6: return BLOCK<Q4, 6>;            \
+      case 7: return BLOCK<Q4, 7>;            \
+      case 8: return BLOCK<Q4, 8>;            \
+      case 9: return BLOCK<Q4, 9>;            \
+      case 10: return BLOCK<Q4, 10>;          \
+      case 11: return BLOCK<Q4, 11>;          \
+      default: return BLOCK<Q4, 12>;          \
+    }                                         \
   }
-}
-
-template <bool Q4>
-BlockFn qx_fn(int t) {
-  switch (t) {
-    case 1: return qx_block<Q4, 1>;
-    case 2: return qx_block<Q4, 2>;
-    case 3: return qx_block<Q4, 3>;
-    case 4: return qx_block<Q4, 4>;
-    case 5: return qx_block<Q4, 5>;
-    case 6: return qx_block<Q4, 6>;
-    case 7: return qx_block<Q4, 7>;
-    case 8: return qx_block<Q4, 8>;
-    case 9: return qx_block<Q4, 9>;
-    case 10: return qx_block<Q4, 10>;
-    case 11: return qx_block<Q4, 11>;
-    default: return qx_block<Q4, 12>;
-  }
-}
+EAGLE_Q_ROWS_FN(q_fn, q_block)
+EAGLE_Q_ROWS_FN(qx_fn, qx_block)
 
 // Rows of x per pass over the weights for M rows.
 inline int64_t row_group(int64_t M, bool tiles, bool quantized) {
