@@ -232,13 +232,16 @@ def test_i8_packing_checks_shapes_and_availability(monkeypatch):
         cm.imatmul(jnp.zeros((1, 16)), jnp.asarray(packed), jnp.asarray(scales), 3)
 
 
+needs_qx = pytest.mark.skipif(not cm.available() or not cm._state.get("qx"), reason="no int8 rows of x here")
+
+
 @pytest.mark.parametrize("rows", ["f16", "q8_0", "q4_1", pytest.param("b16", marks=needs_b16),
-                                  pytest.param("i8", marks=needs_i8)])
+                                  pytest.param("i8", marks=needs_i8), pytest.param("q8_0x8", marks=needs_qx)])
 def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_path, rows):
     """A draft head stored in float16 and loaded under the kernel keeps compact rows beside every
     Dense kernel: its float16 values exactly ("f16"), or Q8_0 / Q4_1 blocks / bfloat16 tiles whose
-    values also replace the float32 kernel ("q8_0", "q4_1", "b16": every path computes with the same
-    weights).
+    values also replace the float32 kernel ("q8_0", "q4_1", "b16", and "q8_0x8": Q8_0 blocks regrouped for
+    int8 rows of x; every path computes with the same weights).
     Drafting reads them (zeroing them zeroes fc's output), the XLA path agrees (b16: to the
     rounding of x to bfloat16), and decoding stays lossless."""
     from gguf import GGMLQuantizationType
@@ -253,7 +256,7 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
     save_drafter(tmp_path / "h16", head, cfg, dtype="float16")
     loaded = load_drafter(tmp_path / "h16", kcfg, rows=rows)
     stored = load_drafter(tmp_path / "h16", cfg)  # XLA: the checkpoint's values, no rows
-    assert loaded.cfg.layer.matmul_impl == "cpu_kernel" and "f16" not in stored.params["fc"]
+    assert loaded.cfg.layer.matmul_impl == "cpu_kernel" and "f16" not in stored.params["fc"] and rows in loaded.params["fc"]
     for path in (("fc",), ("lm_head",), ("midlayer", "mlp", "down_proj")):
         node, ref = loaded.params, stored.params
         for k in path:
@@ -266,14 +269,20 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
         elif rows == "b16":
             np.testing.assert_array_equal(cm.unpack_b16(np.asarray(node["b16"]), w.shape[1]), w)
             np.testing.assert_array_equal(w, _bf16(ref["kernel"]))
+        elif rows == "q8_0x8" and rows in node:  # (an output count not a multiple of 16 keeps Q8_0 blocks)
+            from eagle_jax.kernels import cpu_qx
+
+            np.testing.assert_array_equal(cpu_qx.dequantize(np.asarray(node[rows]), rows).T, w)
+            np.testing.assert_allclose(w, np.asarray(ref["kernel"]), rtol=0, atol=np.abs(w).max() / 100)
         elif rows == "i8":
             scales = np.asarray(node["i8_scales"])
             np.testing.assert_array_equal(cm.unpack_i8(np.asarray(node["i8"]), scales, w.shape[1]), w)
             assert np.all(np.abs(w - np.asarray(ref["kernel"])) <= _i8_step_bound(np.asarray(ref["kernel"]), scales))
         else:
-            deq = quants.dequantize(np.asarray(node[rows]), GGMLQuantizationType[rows.upper()]).astype(np.float32)
+            kind = rows[:4]
+            deq = quants.dequantize(np.asarray(node[kind]), GGMLQuantizationType[kind.upper()]).astype(np.float32)
             np.testing.assert_array_equal(deq.T, w)  # the float32 kernel is the quantised head
-            step = 100 if rows == "q8_0" else 10  # half a step: 1/254 (Q8_0), 1/30 (Q4_1) of a block's range
+            step = 100 if kind == "q8_0" else 10  # half a step: 1/254 (Q8_0), 1/30 (Q4_1) of a block's range
             np.testing.assert_allclose(w, np.asarray(ref["kernel"]), rtol=0, atol=np.abs(w).max() / step)
     if rows == "f16":  # float32 values that float16 cannot hold get no rows
         assert "f16" not in attach_draft_rows(jax.tree.map(lambda a: a, head.params), "f16")["fc"]
@@ -287,7 +296,7 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
         w_fc = np.abs(np.asarray(loaded.params["fc"]["kernel"]))
         bound = 2 ** -9 * (np.abs(np.asarray(feats)).reshape(-1, w_fc.shape[0]) @ w_fc) + 1e-5
         assert np.all(np.abs(got - want).reshape(bound.shape) <= bound)
-    elif rows == "i8":  # each row of x rounded to int8: off by at most half its step, max |x| / 254
+    elif rows in ("i8", "q8_0x8"):  # x rounded to int8 (a row, a block): at most half a step, max |x| / 254
         w_fc = np.abs(np.asarray(loaded.params["fc"]["kernel"]))
         x_rows = np.asarray(feats).reshape(-1, w_fc.shape[0])
         bound = np.abs(x_rows).max(axis=1, keepdims=True) / 254 * w_fc.sum(axis=0) * (1 + 1e-3) + 1e-5

@@ -20,7 +20,7 @@ from eagle_jax.models.quantized import attach_gguf_blocks, regroup_for_int8, res
 from decode_util import decode
 from gguf_util import tiny_config, write_tiny_gguf
 
-needs_qx = pytest.mark.skipif(not cpu_qx.available(), reason="the CPU kernel has no AVX512-VNNI here")
+needs_qx = pytest.mark.skipif(not cpu_qx.available(), reason="the CPU kernel has no int8 rows of x here")
 KINDS = {"q4_1x8": "Q4_1", "q8_0x8": "Q8_0"}
 
 
@@ -72,6 +72,35 @@ def test_kernel_computes_the_int8_products_each_row_its_own(kind, k, n):
     for t in (1, 5, 12):  # 1, 5 and 12 rows in one pass; 15 as two passes
         part = np.asarray(cpu_qx.xmatmul(jnp.asarray(x[-t:]), groups, kind))
         np.testing.assert_array_equal(part, y[-t:])
+
+
+@needs_qx
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_kernel_sums_extreme_blocks_exactly(kind):
+    """Weights at the ends of their range (Q8_0: -128 and 127; Q4_1: 0 and 15) against rows of x at
+    +-127 steps (|x| = 127 exactly: sx = 1): every product and sum is an integer that float32 holds,
+    so the kernel must give x @ w exactly. Int16 pair sums that saturated (AVX2's vpmaddubsw) or a
+    lost sign would show."""
+    n, k = 32, 96
+    rng = np.random.default_rng(7)
+    d = np.float16(1.0).tobytes()
+    if kind == "q8_0x8":
+        q = rng.choice(np.int8([-128, 127]), size=(n, k // 32, 32)).astype(np.int8)
+        q[0] = -128
+        blocks = np.concatenate([np.frombuffer(d * (n * k // 32), np.uint8).reshape(n, k // 32, 2),
+                                 q.view(np.uint8)], axis=-1).reshape(n, -1)
+    else:
+        u = rng.choice(np.uint8([0, 15]), size=(n, k // 32, 32)).astype(np.uint8)
+        u[0] = 15
+        head = np.frombuffer((d + np.float16(0.0).tobytes()) * (n * k // 32), np.uint8).reshape(n, k // 32, 4)
+        blocks = np.concatenate([head, u[..., :16] | (u[..., 16:] << 4)], axis=-1).reshape(n, -1)
+    w = quants.dequantize(blocks, GGMLQuantizationType[KINDS[kind]]).astype(np.float32)
+    assert np.abs(w).max() == (128 if kind == "q8_0x8" else 15)
+    x = rng.choice(np.float32([-127, 127]), size=(6, k))
+    x[0] = -127  # with row 0 of w: every pair of products at its largest, 2 x 128 x 127 (Q8_0)
+    x[1] = 127
+    y = np.asarray(cpu_qx.xmatmul(jnp.asarray(x), jnp.asarray(cpu_qx.regroup(blocks, kind)), kind))
+    np.testing.assert_array_equal(y, x.astype(np.float64) @ w.T.astype(np.float64))
 
 
 @needs_qx

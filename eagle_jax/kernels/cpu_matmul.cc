@@ -21,8 +21,9 @@
 //     plus their float32 scales, dequantised in registers: a step reads ~120 MiB of SmolLM2's
 //     weights instead of 540 MB.
 //   eagle_jax_matmul_q4_1x8 / _q8_0x8: those blocks regrouped 16 columns at a time, multiplied by
-//     rows of x rounded to int8 a 32-value block (as llama.cpp does; AVX512-VNNI's vpdpbusd sums a
-//     block's products in int32, then one float32 multiply-add scales them): kernels/cpu_qx.py.
+//     rows of x rounded to int8 a 32-value block (as llama.cpp does; AVX512-VNNI's vpdpbusd, or AVX2's
+//     vpmaddubsw and vpmaddwd, sum a block's products exactly in int32, then one float32 multiply-add
+//     scales them): kernels/cpu_qx.py.
 //
 // Every output is summed over k in one fixed order whatever M is and whichever rows share a
 // call, so one token's logits do not depend on how many tokens were verified with it.
@@ -54,7 +55,9 @@ constexpr int64_t kI8Tile = 64;    // output columns per packed int8 tile
 constexpr int64_t kI8MaxK = 16384;
 constexpr int64_t kQxCols = 16;  // output columns per group of GGUF blocks regrouped for int8 rows of x
 constexpr int64_t qx_group_bytes(bool q4) { return q4 ? 4 * 64 + 64 : 8 * 64 + 64; }  // a group's block
-inline int64_t qx_row_bytes(int64_t K) { return K + 8 * (K / 32); }  // int8 x[K], float sx[K/32], ms[K/32]
+// A row of x rounded for the qx kernels: int8 x[K], then per block of 32 float sx, float ms (sx sum(q))
+// and int32 sum(q) (K/32 each; the AVX2 kernels' Q8_0 products need the integer sum).
+inline int64_t qx_row_bytes(int64_t K) { return K + 12 * (K / 32); }
 
 // The quantized kernels stream their rows of w (and the rows' float32 scales) from memory, a few
 // rows at a time, with little work per byte; left to the hardware prefetchers, a step's 120 MiB of
@@ -297,7 +300,7 @@ ffi::Error I8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 ffi::Error XMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
                    bool q4) {
-  if (!kHaveQx) return ffi::Error::Internal("built without AVX512-VNNI: the int8-row GGUF kernels are unavailable");
+  if (!kHaveQx) return ffi::Error::Internal("built without AVX512-VNNI or AVX2: the int8-row GGUF kernels are unavailable");
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("x, w and y must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = yd[1];

@@ -213,10 +213,113 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
 constexpr bool kHaveB16 = false;
 template <int T>
 void b16_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
-constexpr bool kHaveI8 = false;  // int8 tiles need AVX512-VNNI
+constexpr bool kHaveI8 = false;  // int8 tiles need AVX512-VNNI (qx below serves AVX2)
 template <int T>
 void i8_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
-constexpr bool kHaveQx = false;  // GGUF blocks x int8 rows need AVX512-VNNI
-inline void qx_quantize(const float*, int64_t, int64_t, uint8_t*) {}
+
+// ---------------------------------------------------------------- GGUF blocks x int8 rows (AVX2)
+// The AVX-512 header's qx kernels on 8 of a group's 16 columns at a time, with the same layout,
+// the same integers and the same float32 operations in the same order, so the results are bit for
+// bit the AVX512-VNNI kernel's. Without vpdpbusd, vpmaddubsw multiplies unsigned by signed bytes and
+// adds pairs into int16 (saturating), and vpmaddwd by ones adds pairs of those into int32. Q4_1:
+// nibbles (0-15) times int8 rows (|q| <= 127) make pairs of at most 3810, and the 8 vectors of a
+// block are summed in int16 (at most 30480) before one vpmaddwd: exact. Q8_0's biased bytes
+// (u = q + 128, up to 255) would saturate, so the kernel multiplies |q| by x carrying q's sign
+// (vpsignb; pairs at most 2 x 128 x 127 = 32512), widens every vector to int32, and adds back the
+// bias as 128 sum(x) (qx_quantize's integer sum): sum(u x) = sum(q x) + 128 sum(x), exactly.
+constexpr bool kHaveQx = true;
+
+inline void qx_quantize(const float* x, int64_t M, int64_t K, uint8_t* out) {
+  const int64_t nb = K / 32;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t t = 0; t < M; ++t) {
+    uint8_t* row = out + t * qx_row_bytes(K);
+    float* sx = reinterpret_cast<float*>(row + K);
+    int32_t* qs = reinterpret_cast<int32_t*>(sx + 2 * nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + t * K + 32 * b;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // to nearest even
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * b), _mm256_permutevar8x32_epi32(p, order));
+      const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      const int32_t qsum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+      sx[b] = amax / 127.0f;
+      sx[nb + b] = sx[b] * (float)qsum;
+      qs[b] = qsum;
+    }
+  }
+}
+
+// T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1),
+// the group's two halves of 8 columns one after the other (a group's block stays in L1).
 template <bool Q4, int T>
-void qx_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+void qx_block(const float* xq_as_float, const float* w_as_float, const float*, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(xq_as_float);  // BlockFn's signature; really bytes
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);
+  constexpr int64_t GB = qx_group_bytes(Q4), WB = GB - 64;
+  const int64_t nb = K / 32, stride = qx_row_bytes(K);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += kQxCols) {
+    const uint8_t* wg = w + (n / kQxCols) * nb * GB;
+    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = wg + b * GB;
+        __m256i wv[8];  // Q4_1: the nibbles; Q8_0: q (signed)
+        if (Q4) {
+          for (int p = 0; p < 4; ++p) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p + 32 * h));
+            wv[2 * p] = _mm256_and_si256(v, low4);
+            wv[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          }
+        } else {
+          for (int j = 0; j < 8; ++j)
+            wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32 * h)), bias);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 32 + 16 * h)));
+        for (int t = 0; t < T; ++t) {
+          const uint8_t* xr = xq + t * stride;
+          const int32_t* xb = reinterpret_cast<const int32_t*>(xr + 32 * b);
+          const float* xs = reinterpret_cast<const float*>(xr + K);
+          __m256i isum;
+          if (Q4) {
+            __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xb[0]));
+            for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xb[j])));
+            isum = _mm256_madd_epi16(s16, ones);
+          } else {
+            auto prod = [&](int j) {
+              return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), _mm256_sign_epi8(_mm256_set1_epi32(xb[j]), wv[j])), ones);
+            };
+            __m256i s0 = prod(0), s1 = prod(1);
+            for (int j = 2; j < 8; j += 2) {
+              s0 = _mm256_add_epi32(s0, prod(j));
+              s1 = _mm256_add_epi32(s1, prod(j + 1));
+            }
+            const int32_t* qs = reinterpret_cast<const int32_t*>(xs + 2 * nb);
+            isum = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * qs[b]));
+          }
+          const __m256 sum = _mm256_cvtepi32_ps(isum);
+          acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t]);
+          acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t]);
+        }
+      }
+      for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * N + n + 8 * h, acc[t]);
+    }
+  }
+}

@@ -337,7 +337,7 @@ void i8_block(const float*, const float*, const float*, float*, int64_t, int64_t
 #ifdef __AVX512VNNI__
 constexpr bool kHaveQx = true;
 // M rows of x [M, K] (K % 32 == 0) → M rows of qx_row_bytes(K): per block of 32, sx = max |x| / 127,
-// q = x * (127 / max |x|) rounded to nearest even (0 for a zero block), ms = sx * sum(q).
+// q = x * (127 / max |x|) rounded to nearest even (0 for a zero block), ms = sx * sum(q), then sum(q).
 inline void qx_quantize(const float* x, int64_t M, int64_t K, uint8_t* out) {
   const int64_t nb = K / 32;
   for (int64_t t = 0; t < M; ++t) {
@@ -351,7 +351,9 @@ inline void qx_quantize(const float* x, int64_t M, int64_t K, uint8_t* out) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 32 * b), _mm512_cvtepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 32 * b + 16), _mm512_cvtepi32_epi8(qhi));
       sx[b] = amax / 127.0f;
-      sx[nb + b] = sx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      sx[nb + b] = sx[b] * (float)qsum;
+      reinterpret_cast<int32_t*>(sx + 2 * nb)[b] = qsum;
     }
   }
 }

@@ -1,14 +1,15 @@
-"""GGUF blocks multiplied by int8 rows of x, as llama.cpp's CPU path multiplies them (AVX512-VNNI).
+"""GGUF blocks multiplied by int8 rows of x, as llama.cpp's CPU path multiplies them (AVX512-VNNI, AVX2).
 
 The exact kernels (`cpu_matmul.qmatmul` on "q4_1" / "q8_0" blocks) dequantise every weight to
 float32 in registers and multiply in float32: one fused multiply-add a weight and row, so a 5-row
 tree verification costs several times a 1-row step once the weights are in cache. llama.cpp
 instead rounds each 32-value block of a row of x to int8 with its own scale (its Q8_1 rows) and
-sums the 32 products of a block exactly in int32, four a lane and instruction (vpdpbusd); the
-target then computes with the same weights and slightly rounded activations.
+sums the 32 products of a block exactly in int32, four a lane and instruction (AVX512-VNNI's
+vpdpbusd; on AVX2 vpmaddubsw and vpmaddwd, the same integers and so bit for bit the same results);
+the target then computes with the same weights and slightly rounded activations.
 
 `regroup(blocks, kind)` lays a matrix's GGUF rows out for that product, 16 output columns at a
-time ("q4_1x8" / "q8_0x8", the kernel's layout in `cpu_matmul_avx512.h`), and `xmatmul` runs it.
+time ("q4_1x8" / "q8_0x8", the kernels' layout in `cpu_matmul_avx512.h`), and `xmatmul` runs it.
 `reference_xmatmul` is the same arithmetic in numpy (the tests' yardstick). Each row's result
 depends on that row only and is summed in one fixed order, so one token's logits do not depend on
 which tokens are verified with it: speculative decoding stays exactly as lossless as with the
@@ -29,7 +30,7 @@ GROUP_BYTES = {k: 64 * q + 64 for k, q in QUADS.items()}
 
 
 def available() -> bool:
-    """True when the kernel is built with AVX512-VNNI (`xmatmul` runs here)."""
+    """True when the kernel is built with int8 rows of x (AVX512-VNNI or AVX2: `xmatmul` runs here)."""
     return cm.available() and cm._state.get("qx", False)
 
 
@@ -138,6 +139,6 @@ def xmatmul(x: jax.Array, groups: jax.Array, kind: str) -> jax.Array:
     if groups.dtype != jnp.uint8 or groups.ndim != 2 or k % 32 or groups.shape[1] != k // 32 * GROUP_BYTES[kind]:
         raise ValueError(f"xmatmul: {kind} groups {tuple(groups.shape)} {groups.dtype} do not fit K={k}")
     if not available():
-        raise RuntimeError("xmatmul needs the CPU matmul kernel built with AVX512-VNNI: "
-                           + (cm.unavailable_reason() or "this CPU has no AVX512-VNNI"))
+        raise RuntimeError("xmatmul needs the CPU matmul kernel with int8 rows of x (AVX512-VNNI or AVX2): "
+                           + (cm.unavailable_reason() or "built without them"))
     return cm._rows_call(kind, x, groups.shape[0] * COLS, groups)

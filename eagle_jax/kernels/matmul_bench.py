@@ -5,9 +5,10 @@ matrices of shape [K, N] (default: SmolLM2's 60 MLP gate/up matrices, 576 × 153
 results, through (a) XLA's dot on float32 weights, (b) the float32 CPU kernel (AVX-512 or AVX2)
 (`cpu_matmul.matmul`), (c) the kernel on Q4_1 blocks (`cpu_matmul.qmatmul` with precomputed
 scales; random weights quantised with gguf), as the target's layers use it, and the draft head's
-row kinds: (d) Q8_0 blocks and, where the kernel has AVX512-VNNI, (e) int8 tiles
-(`cpu_matmul.imatmul`) and (f) the Q4_1 blocks regrouped for int8 rows of x (`cpu_qx.xmatmul`, the
-target's layers with `activations="int8"`). Median milliseconds over `--reps` runs after a warm-up, all measured side
+row kinds: (d) Q8_0 blocks, where the kernel has AVX512-VNNI (e) int8 tiles (`cpu_matmul.imatmul`),
+and where it has int8 rows of x (AVX512-VNNI or AVX2) (f) the Q4_1 blocks regrouped for them
+(`cpu_qx.xmatmul`, the target's layers with `activations="int8"`) and (g) the Q8_0 blocks regrouped
+(the tied LM head's kind, and the draft head's "q8_0x8" rows). Median milliseconds over `--reps` runs after a warm-up, all measured side
 by side in one process; a Markdown table on stdout.
 
     python -m eagle_jax.bench matmul --rows 1,2,4,8,16
@@ -54,13 +55,14 @@ def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, 
 
     q = {kind: quantized(kind) for kind in ("q4_1", "q8_0")}
     i8 = [tuple(map(jnp.asarray, cm.pack_i8(w.T))) for w in w_nk] if cm.i8_available() else None
-    qx = [jnp.asarray(cpu_qx.regroup(np.asarray(b), "q4_1x8")) for b, _ in q["q4_1"]] if cpu_qx.available() else None
+    qx = ({kind: [jnp.asarray(cpu_qx.regroup(np.asarray(b), f"{kind}x8")) for b, _ in q[kind]] for kind in q}
+          if cpu_qx.available() else None)
 
     xla = jax.jit(lambda x, ws: sum(jnp.dot(x, w).sum() for w in ws))
     f32 = jax.jit(lambda x, ws: sum(cm.matmul(x, w).sum() for w in ws))
     qsum = jax.jit(lambda x, bs, kind: sum(cm.qmatmul(x, b, kind, s).sum() for b, s in bs), static_argnames="kind")
     i8_fn = jax.jit(lambda x, ps: sum(cm.imatmul(x, p, s, n).sum() for p, s in ps))
-    qx_fn = jax.jit(lambda x, gs: sum(cpu_qx.xmatmul(x, g, "q4_1x8").sum() for g in gs))
+    qx_fn = jax.jit(lambda x, gs, kind: sum(cpu_qx.xmatmul(x, g, kind).sum() for g in gs), static_argnames="kind")
     out = []
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
@@ -68,7 +70,9 @@ def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, 
         for kind, bs in q.items():
             row[f"kernel_{kind}_ms"] = _median_ms(functools.partial(qsum, kind=kind), (x, bs), reps)
         row["kernel_i8_ms"] = _median_ms(i8_fn, (x, i8), reps) if i8 is not None else None
-        row["kernel_q4_1x8_ms"] = _median_ms(qx_fn, (x, qx), reps) if qx is not None else None
+        for kind in q:
+            row[f"kernel_{kind}x8_ms"] = (_median_ms(functools.partial(qx_fn, kind=f"{kind}x8"), (x, qx[kind]), reps)
+                                          if qx is not None else None)
         out.append(row)
     return out
 
@@ -84,9 +88,10 @@ def main(argv=None):
     res = run(tuple(int(r) for r in args.rows.split(",")), args.k, args.n, args.matrices, args.reps)
     print(f"{args.matrices} products [T, {args.k}] x [{args.k}, {args.n}], median ms over {args.reps} runs\n")
     print("| rows T | XLA float32 | kernel float32 | kernel Q4_1 blocks | kernel Q8_0 blocks | kernel int8 tiles "
-          "| kernel Q4_1 x int8 rows |\n|---|---|---|---|---|---|---|")
+          "| kernel Q4_1 x int8 rows | kernel Q8_0 x int8 rows |\n|---|---|---|---|---|---|---|---|")
     for r in res:
-        i8, qx = ("—" if r[c] is None else f"{r[c]:.2f}" for c in ("kernel_i8_ms", "kernel_q4_1x8_ms"))
+        i8, qx4, qx8 = ("—" if r[c] is None else f"{r[c]:.2f}"
+                        for c in ("kernel_i8_ms", "kernel_q4_1x8_ms", "kernel_q8_0x8_ms"))
         print(f"| {r['rows']} | {r['xla_ms']:.2f} | {r['kernel_f32_ms']:.2f} | {r['kernel_q4_1_ms']:.2f} "
-              f"| {r['kernel_q8_0_ms']:.2f} | {i8} | {qx} |")
+              f"| {r['kernel_q8_0_ms']:.2f} | {i8} | {qx4} | {qx8} |")
     return 0

@@ -147,8 +147,8 @@ ACTIVATIONS = ("auto", "float32", "int8")
 
 
 def resolve_activations(activations: str) -> str:
-    """"auto" → "int8" where the kernel has AVX512-VNNI (`kernels.cpu_qx.available()`), else
-    "float32"; other choices are checked."""
+    """"auto" → "int8" where the kernel has int8 rows of x (`kernels.cpu_qx.available()`: AVX512-VNNI
+    or AVX2), else "float32"; other choices are checked."""
     from ..kernels import cpu_qx
 
     if activations not in ACTIVATIONS:
@@ -156,7 +156,8 @@ def resolve_activations(activations: str) -> str:
     if activations == "auto":
         return "int8" if cpu_qx.available() else "float32"
     if activations == "int8" and not cpu_qx.available():
-        raise RuntimeError("activations 'int8' need the CPU kernel built with AVX512-VNNI, which this machine lacks")
+        raise RuntimeError("activations 'int8' need the CPU kernel with int8 rows of x (AVX512-VNNI or AVX2), "
+                           "which this machine lacks")
     return activations
 
 
@@ -185,7 +186,7 @@ def regroup_for_int8(params):
     return walk(params)
 
 
-DRAFT_ROWS = ("auto", "b16", "i8", "q8_0", "q4_1", "f16")
+DRAFT_ROWS = ("auto", "b16", "i8", "q8_0x8", "q8_0", "q4_1", "f16")
 
 
 def _with_dense_rows(params, rows_for):
@@ -217,6 +218,14 @@ def attach_q4_1_rows(params):
     """`attach_q8_0_rows` with GGUF Q4_1 blocks ("q4_1", "q4_1_scales"): 5 bits a weight (59% of
     Q8_0's bytes), coarser drafts."""
     return _attach_quant_rows(params, "q4_1")
+
+
+def attach_q8_0x8_rows(params):
+    """`attach_q8_0_rows`' blocks regrouped for int8 rows of x (`regroup_for_int8`, "q8_0x8"): the same
+    quantised head, multiplied as the target's layers are under `activations="int8"` (each 32-value
+    block of a row of x rounded to int8, the products summed exactly in int32; AVX512-VNNI or AVX2).
+    A node whose outputs are not a multiple of 16 keeps its Q8_0 blocks."""
+    return regroup_for_int8(attach_q8_0_rows(params))
 
 
 def _attach_quant_rows(params, kind: str):
@@ -274,6 +283,7 @@ def attach_i8_rows(params):
 def resolve_draft_rows(rows: str) -> str:
     """"auto" → "b16" where the kernel has AVX512-BF16, else "i8" where it has AVX512-VNNI, else
     "q8_0"; other choices are checked."""
+    from ..kernels import cpu_qx
     from ..kernels.cpu_matmul import b16_available, i8_available
 
     if rows not in DRAFT_ROWS:
@@ -285,6 +295,9 @@ def resolve_draft_rows(rows: str) -> str:
     if rows == "i8" and not i8_available():
         raise RuntimeError("draft rows 'i8' need the CPU kernel built with AVX512-VNNI, which this machine "
                            "lacks")
+    if rows == "q8_0x8" and not cpu_qx.available():
+        raise RuntimeError("draft rows 'q8_0x8' need the CPU kernel's int8 rows of x (AVX512-VNNI or AVX2), "
+                           "which this machine lacks")
     return rows
 
 
@@ -305,8 +318,8 @@ def attach_f16_rows(params):
 
 def attach_draft_rows(params, rows: str):
     """The compact rows a draft head keeps for the CPU kernel: "b16" (`attach_b16_rows`), "i8"
-    (`attach_i8_rows`), "q8_0" (`attach_q8_0_rows`), "q4_1" (`attach_q4_1_rows`), "f16"
+    (`attach_i8_rows`), "q8_0x8" (`attach_q8_0x8_rows`), "q8_0" (`attach_q8_0_rows`), "q4_1" (`attach_q4_1_rows`), "f16"
     (`attach_f16_rows`: the stored float16 values, exactly) or "auto" (`resolve_draft_rows`)."""
     rows = resolve_draft_rows(rows)
-    return {"b16": attach_b16_rows, "i8": attach_i8_rows, "q8_0": attach_q8_0_rows, "q4_1": attach_q4_1_rows,
-            "f16": attach_f16_rows}[rows](params)
+    return {"b16": attach_b16_rows, "i8": attach_i8_rows, "q8_0x8": attach_q8_0x8_rows, "q8_0": attach_q8_0_rows,
+            "q4_1": attach_q4_1_rows, "f16": attach_f16_rows}[rows](params)
