@@ -300,11 +300,13 @@ void qx_block(const float* xq_as_float, const float* w_as_float, const float*, f
           __m256i isum;
           if (Q4) {
             __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xb[0]));
-            for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xb[j])));
+            for (int j = 1; j < 8; ++j)
+              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xb[j])));
             isum = _mm256_madd_epi16(s16, ones);
           } else {
-            auto prod = [&](int j) {
-              return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), _mm256_sign_epi8(_mm256_set1_epi32(xb[j]), wv[j])), ones);
+            auto prod = [&](int j) {  // |q| times x with q's sign, pairs into int16, then into int32
+              const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xb[j]), wv[j]);
+              return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), sx), ones);
             };
             __m256i s0 = prod(0), s1 = prod(1);
             for (int j = 2; j < 8; j += 2) {

@@ -8,8 +8,8 @@ scales; random weights quantised with gguf), as the target's layers use it, and 
 row kinds: (d) Q8_0 blocks, where the kernel has AVX512-VNNI (e) int8 tiles (`cpu_matmul.imatmul`),
 and where it has int8 rows of x (AVX512-VNNI or AVX2) (f) the Q4_1 blocks regrouped for them
 (`cpu_qx.xmatmul`, the target's layers with `activations="int8"`) and (g) the Q8_0 blocks regrouped
-(the tied LM head's kind, and the draft head's "q8_0x8" rows). Median milliseconds over `--reps` runs after a warm-up, all measured side
-by side in one process; a Markdown table on stdout.
+(the tied LM head's kind, and the draft head's "q8_0x8" rows). Median milliseconds over `--reps` runs
+after a warm-up, all measured side by side in one process; a Markdown table on stdout.
 
     python -m eagle_jax.bench matmul --rows 1,2,4,8,16
 """

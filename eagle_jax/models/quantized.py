@@ -318,8 +318,9 @@ def attach_f16_rows(params):
 
 def attach_draft_rows(params, rows: str):
     """The compact rows a draft head keeps for the CPU kernel: "b16" (`attach_b16_rows`), "i8"
-    (`attach_i8_rows`), "q8_0x8" (`attach_q8_0x8_rows`), "q8_0" (`attach_q8_0_rows`), "q4_1" (`attach_q4_1_rows`), "f16"
-    (`attach_f16_rows`: the stored float16 values, exactly) or "auto" (`resolve_draft_rows`)."""
+    (`attach_i8_rows`), "q8_0x8" (`attach_q8_0x8_rows`), "q8_0" (`attach_q8_0_rows`), "q4_1"
+    (`attach_q4_1_rows`), "f16" (`attach_f16_rows`: the stored float16 values, exactly) or "auto"
+    (`resolve_draft_rows`)."""
     rows = resolve_draft_rows(rows)
     return {"b16": attach_b16_rows, "i8": attach_i8_rows, "q8_0x8": attach_q8_0x8_rows, "q8_0": attach_q8_0_rows,
             "q4_1": attach_q4_1_rows, "f16": attach_f16_rows}[rows](params)
