@@ -5,6 +5,9 @@ the regrouped blocks stays lossless and close to the float32 model. The float32 
 same blocks are tested in test_gguf_blocks.py."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +104,39 @@ def test_kernel_sums_extreme_blocks_exactly(kind):
     x[1] = 127
     y = np.asarray(cpu_qx.xmatmul(jnp.asarray(x), jnp.asarray(cpu_qx.regroup(blocks, kind)), kind))
     np.testing.assert_array_equal(y, x.astype(np.float64) @ w.T.astype(np.float64))
+
+
+_XMATMUL_SCRIPT = """
+import sys, numpy as np, jax.numpy as jnp
+from eagle_jax.kernels import cpu_matmul as cm, cpu_qx
+a = np.load(sys.argv[1])
+out = {k: np.asarray(cpu_qx.xmatmul(jnp.asarray(a["x"]), jnp.asarray(a[k]), k)) for k in cpu_qx.GROUP_BYTES}
+np.savez(sys.argv[2], isa=cm.isa(), **out)
+"""
+
+
+def _xmatmul_in_build(tmp_path, isa: str, x, groups: dict) -> dict:
+    """`xmatmul` of x by each kind's groups, in a fresh process whose kernels are built for `isa`."""
+    np.savez(tmp_path / "in.npz", x=x, **groups)
+    env = {**os.environ, "EAGLE_JAX_CPU_KERNEL_ISA": isa}
+    res = subprocess.run([sys.executable, "-c", _XMATMUL_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                         env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = dict(np.load(tmp_path / "out.npz"))
+    assert str(out.pop("isa")) == isa
+    return out
+
+
+@needs_qx
+@pytest.mark.skipif(cpu_qx.cm.isa() != "avx512", reason="needs the AVX512-VNNI kernels to compare the AVX2 ones with")
+def test_avx2_int8_rows_equal_the_vnni_kernels_bit_for_bit(tmp_path):
+    """The AVX2 build's int8 rows (vpmaddubsw / vpmaddwd) give the AVX512-VNNI build's results bit
+    for bit: the same integer sums, scaled by the same float32 operations in the same order."""
+    x = np.random.default_rng(11).standard_normal((13, 576)).astype(np.float32)
+    groups = {kind: cpu_qx.regroup(_blocks(kind, 96, 576, seed=3)[0], kind) for kind in KINDS}
+    avx2 = _xmatmul_in_build(tmp_path, "avx2", x, groups)
+    for kind, g in groups.items():
+        np.testing.assert_array_equal(avx2[kind], np.asarray(cpu_qx.xmatmul(jnp.asarray(x), jnp.asarray(g), kind)))
 
 
 @needs_qx
