@@ -300,7 +300,8 @@ ffi::Error I8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 ffi::Error XMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
                    bool q4) {
-  if (!kHaveQx) return ffi::Error::Internal("built without AVX512-VNNI or AVX2: the int8-row GGUF kernels are unavailable");
+  if (!kHaveQx)
+    return ffi::Error::Internal("built without AVX512-VNNI or AVX2: the int8-row GGUF kernels are unavailable");
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("x, w and y must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = yd[1];
