@@ -53,9 +53,8 @@ from pathlib import Path
 from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
                        parse_shapes, resolve_budget)
 from .decoding import cache_length_for
-from .models.quantized import DRAFT_ROWS
 from .engine import SPEC_METHODS, default_budget, parse_prefill_chunk
-from .serve.cli import read_prompts
+from .serve.cli import add_kernel_arguments, read_prompts
 from .step_profile import profile_spec_step
 from .training.prompts import BENCH_CHAT_FILE, EVAL_CHAT_FILE, EVAL_CODE_FILE
 
@@ -265,25 +264,7 @@ def build_parser():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="target attention for the eagle_jax methods (pallas: the tree-attention kernel)")
-    p.add_argument("--matmul", default="auto", choices=("auto", "cpu_kernel", "xla"),
-                   help="weight products: the few-row CPU kernel (AVX-512 or AVX2; reads a GGUF model's Q4_1/Q8_0 "
-                        "blocks; same float32 results), XLA's dot, or auto (the kernel on an x86-64 CPU where it "
-                        "builds)")
-    p.add_argument("--draft-rows", default="auto", choices=DRAFT_ROWS,
-                   help="with the CPU kernel: the draft heads rounded to bfloat16 for AVX512-BF16 products (b16), "
-                        "to int8 for AVX512-VNNI products (i8), quantised to Q8_0 (q8_0x8: with int8 rows of x, as the "
-                        "target's int8 activations; q8_0: float32 rows) or to Q4_1 (smaller, faster, "
-                        "coarser drafts), or their float16 values exactly; auto: b16 where the CPU has AVX512-BF16, "
-                        "else i8 where it has AVX512-VNNI, else q8_0")
-    p.add_argument("--activations", default="auto", choices=("auto", "float32", "int8"),
-                   help="with the CPU kernel and a GGUF model: the target's few-row products on float32 rows of x "
-                        "(exactly the converted model, as transformers computes it) or on x rounded to int8 a "
-                        "32-value block (as llama.cpp computes GGUF models; about twice as fast a step); auto: int8 "
-                        "where the kernel has int8 products (AVX512-VNNI or AVX2). Speculative output equals plain "
-                        "output either way")
-    p.add_argument("--prefill-chunk", default="auto",
-                   help="prompt tokens per prefill pass: N, or BIG,TAIL (chunks of BIG while 3/4 of one remains, "
-                        "then of TAIL); auto: 128,8 with the CPU kernel, else 64")
+    add_kernel_arguments(p)
     p.add_argument("--layers", default="auto", choices=("auto", "unroll", "scan"),
                    help="target layers: unrolled (fastest on CPU), scanned over the stacked weights (faster compiles), "
                         "or auto (unroll on CPU, scan elsewhere); the same numbers either way")

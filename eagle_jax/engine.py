@@ -144,9 +144,9 @@ class Engine:
         block of x rounded to int8, products summed exactly in int32 by AVX512-VNNI or AVX2, the
         same results on both, as llama.cpp computes GGUF models; prefill through the kernel too, so
         a prompt's keys do not depend on its chunk or batch: 1.5-2x as fast a step, the next-token
-        loss ~0.2% higher) or "auto" (int8 where the kernel has them). Plain and speculative decoding run the same products, so
-        speculative output equals plain output either way. `self.activations` says which is in
-        use ("float32" without GGUF blocks).
+        loss ~0.2% higher) or "auto" (int8 where the kernel has them). Plain and speculative
+        decoding run the same products, so speculative output equals plain output either way.
+        `self.activations` says which is in use ("float32" without GGUF blocks).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", attention: str = "reference",

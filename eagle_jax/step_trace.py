@@ -126,13 +126,15 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from .models.quantized import ACTIVATIONS
+
     p = argparse.ArgumentParser(prog="python -m eagle_jax.bench trace", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--method", default="vanilla", help="vanilla, eagle1, eagle2 or eagle3 (with its serve tree)")
     p.add_argument("--drafter", default="default")
     p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--activations", default="auto", choices=("auto", "float32", "int8"),
+    p.add_argument("--activations", default="auto", choices=ACTIVATIONS,
                    help="the target's few-row products on float32 or int8 rows of x (Engine's `activations`)")
     p.add_argument("--json", action="store_true", help="print the result JSON as the last stdout line")
     args = p.parse_args(argv)
