@@ -36,7 +36,9 @@ same prompts). The result is a small JSON config (`save_budget` / `load_budget`)
 `python -m eagle_jax.serve --budget-config FILE` uses;
 `python -m eagle_jax.bench --total-tokens auto` writes it, by default to
 `~/.cache/eagle_jax/budgets/<model>.<method>.<drafter>.<device>.json`, where serve and the CLI
-find it by themselves (no tree flags, or `--total-tokens auto`, which tunes when nothing is saved).
+find it by themselves (no tree flags, or `--total-tokens auto`, which tunes when nothing is saved);
+one tuned with other CPU-kernel flags than the defaults (`--activations`, `--draft-rows`,
+`--matmul`) gets their `kernel_tag` before `.json`.
 """
 
 from __future__ import annotations
@@ -71,9 +73,37 @@ def device_tag() -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{d.platform}-{getattr(d, 'device_kind', '') or ''}").strip("-").lower()
 
 
-def default_budget_path(model: str, method: str, drafter: str) -> Path:
+def kernel_tag(matmul: str = "auto", activations: str = "auto", draft_rows: str = "auto") -> str:
+    """"" for this machine's default CPU kernels (and off the CPU kernel path), else a suffix naming
+    the settings that differ from them, e.g. ".act-float32.rows-q4_1": a tree's cost depends on
+    how the products are computed (float32 rows of x cost about 1.5x int8 rows a step on the EPYC
+    VM), so a budget tuned with other kernels is kept apart from the default one. Settings this
+    machine cannot run are left for `Engine` to reject and tagged as given."""
+    from .kernels.cpu_matmul import resolve_matmul_impl
+    from .models.quantized import resolve_activations, resolve_draft_rows
+
+    def resolved(fn, value):
+        try:
+            return fn(value)
+        except (ValueError, RuntimeError):
+            return value
+
+    impl = resolved(resolve_matmul_impl, matmul)
+    if impl != resolve_matmul_impl("auto"):
+        return f".matmul-{impl}"
+    if impl != "cpu_kernel":
+        return ""
+    parts = [f".{name}-{got}" for name, fn, value in (("act", resolve_activations, activations),
+                                                      ("rows", resolve_draft_rows, draft_rows))
+             if (got := resolved(fn, value)) != fn("auto")]
+    return "".join(parts)
+
+
+def default_budget_path(model: str, method: str, drafter: str, kernels: str = "") -> Path:
+    """Where a budget tuned on this device is saved: `kernels` is `kernel_tag(...)` of the settings
+    it was tuned with ("" for the defaults)."""
     tag = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(str(s)).name or str(s))
-    return budget_dir() / f"{tag(model)}.{method}.{tag(drafter)}.{device_tag()}.json"
+    return budget_dir() / f"{tag(model)}.{method}.{tag(drafter)}.{device_tag()}{kernels}.json"
 
 
 def packaged_budget_path(model: str, method: str, drafter: str) -> Path:
@@ -316,7 +346,9 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
         chosen = budgets[best]
     engine.budgets[method] = chosen
     say(f"autotune {method}: chose {describe_budget(chosen)}")
-    return {"method": method, "model": engine.name, "device": device_tag(), "budget": budget_fields(chosen),
+    kernels = {"matmul": engine.cfg.matmul_impl, "activations": engine.activations, "draft_rows": engine.draft_rows}
+    return {"method": method, "model": engine.name, "device": device_tag(), "kernels": kernels,
+            "budget": budget_fields(chosen),
             "vanilla_tokens_per_s": vanilla_tps, "candidates": rows, "max_new_tokens": max_new_tokens,
             "prompts": len(prompts), "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
@@ -381,11 +413,13 @@ def describe_budget(budget: TreeBudget) -> str:
 
 def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=None, top_k=None,
                    budget_config=None, log: Optional[Callable[[str], None]] = None, lookup: Optional[int] = None,
-                   lookup_min_ngram: Optional[int] = None):
+                   lookup_min_ngram: Optional[int] = None, kernels: str = ""):
     """The tree budget the CLI flags ask for: (TreeBudget or None for vanilla, path to tune into or None).
 
     lookup (--lookup N) replaces the prompt-lookup chain of whichever budget the other flags pick, and
-    lookup_min_ngram (--lookup-min-ngram M) the shortest n-gram it may be found by.
+    lookup_min_ngram (--lookup-min-ngram M) the shortest n-gram it may be found by. kernels:
+    `kernel_tag` of the CPU-kernel flags; a budget tuned on this device is looked for (and tuned
+    into) under them, the packaged one serves them all.
 
     --budget-config FILE loads a saved budget; --total-tokens auto loads the one tuned for this
     model / method / drafter / device if it was saved before, else asks the caller to tune it
@@ -393,7 +427,7 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
     else one packaged for this platform (eagle_jax/assets/budgets/), else `engine.default_budget`."""
     if method == "vanilla":
         return None, None
-    budget, path = _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_config, log)
+    budget, path = _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_config, log, kernels)
     if lookup is not None:
         budget = dataclasses.replace(budget, lookup=lookup)
         if log:
@@ -405,7 +439,7 @@ def resolve_budget(model: str, method: str, drafter: str, total_tokens, depth=No
     return budget, path
 
 
-def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_config, log):
+def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_config, log, kernels):
     from .engine import default_budget
 
     if budget_config is not None:
@@ -416,7 +450,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
             log(f"tree budget from {budget_config}: {describe_budget(budget)}")
         return budget, None
     if total_tokens == "auto":
-        path = default_budget_path(model, method, drafter)
+        path = default_budget_path(model, method, drafter, kernels)
         if path.exists():
             budget = load_budget(path, method)
             if log:
@@ -427,7 +461,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
                 f"is compiled, timed and run on the calibration prompts)")
         return default_budget(method, None, depth, top_k), path
     if total_tokens is None and depth is None and top_k is None:
-        for path in (default_budget_path(model, method, drafter), packaged_budget_path(model, method, drafter)):
+        for path in (default_budget_path(model, method, drafter, kernels), packaged_budget_path(model, method, drafter)):
             if path.exists():  # tuned before on this device, else shipped for this platform: the default
                 budget = load_budget(path, method)
                 if log:

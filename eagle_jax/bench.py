@@ -358,7 +358,7 @@ def main(argv=None) -> int:
                         budget = dataclasses.replace(budget, lookup_min_ngram=args.lookup_min_ngram)
                 else:  # what serve would run: the flags, else a budget tuned/packaged for this device
                     budget, _ = resolve_budget(args.model, m, args.drafter, *flags, log=log, lookup=args.lookup,
-                                               lookup_min_ngram=args.lookup_min_ngram)
+                                               lookup_min_ngram=args.lookup_min_ngram, kernels=engine.kernel_tag)
             except ValueError as e:  # a tree the flags cannot make
                 print(f"error: {m}: {e}", file=sys.stderr)
                 return 2
@@ -417,7 +417,7 @@ def autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_
     for m in methods:
         if m in SPEC_METHODS:
             path = (Path(str(args.save_budget).replace("METHOD", m)) if args.save_budget
-                    else default_budget_path(args.model, m, args.drafter))
+                    else default_budget_path(args.model, m, args.drafter, engine.kernel_tag))
             out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,
                                    shapes=shapes, lookups=lookups, lookup_ngrams=lookup_ngrams,
                                    max_new_tokens=args.max_new_tokens)

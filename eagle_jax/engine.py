@@ -168,6 +168,7 @@ class Engine:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.activations = "float32"
+        self._kernel_flags = (matmul, activations, draft_rows)
 
         if compile_cache:
             enable_compile_cache()
@@ -213,6 +214,15 @@ class Engine:
         if method != "vanilla":
             self.add_method(method, drafter or "default", budget)
 
+    @property
+    def kernel_tag(self) -> str:
+        """`autotune.kernel_tag` of the kernel settings this engine was asked for ("" for the
+        defaults), as serve computes it from its flags: the suffix of the budgets tuned with them on
+        this device."""
+        from .autotune import kernel_tag
+
+        return kernel_tag(*self._kernel_flags)
+
     # ------------------------------------------------------------------ speculative methods
     def add_method(self, method: str, drafter: str | DraftHead = "default", budget: Optional[TreeBudget] = None):
         """Make `method` (eagle1 | eagle2 | eagle3) available with a drafter spec or head.
@@ -234,7 +244,7 @@ class Engine:
         if budget is None and isinstance(drafter, str):  # what serve and bench run without tree flags
             from .autotune import resolve_budget
 
-            budget = resolve_budget(self.model_spec, method, drafter, None)[0]
+            budget = resolve_budget(self.model_spec, method, drafter, None, kernels=self.kernel_tag)[0]
         self.budgets[method] = budget or default_budget(method)
 
     def _load_head(self, method: str, spec: str) -> DraftHead:

@@ -304,6 +304,30 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
         load_budget(tmp_path / "bad.json")
 
 
+def test_budgets_tuned_with_other_kernels_are_kept_apart(tmp_path, monkeypatch):
+    from eagle_jax.autotune import default_budget_path, kernel_tag, resolve_budget, save_budget
+    from eagle_jax.kernels import cpu_matmul, cpu_qx
+
+    if not cpu_matmul.available():
+        pytest.skip("the CPU matmul kernel is not built here")
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
+    assert kernel_tag() == "" and kernel_tag("cpu_kernel", "auto", "auto") == ""  # the defaults, spelled or not
+    assert kernel_tag("xla", "float32", "q4_1") == ".matmul-xla"  # the XLA products ignore the kernel's flags
+    assert kernel_tag(draft_rows="q4_1") == ".rows-q4_1"
+    if cpu_qx.available():  # int8 rows of x are the default here: float32 rows are another cost per tree token
+        assert kernel_tag(activations="int8") == ""
+        assert kernel_tag(activations="float32", draft_rows="q4_1") == ".act-float32.rows-q4_1"
+    plain = default_budget_path("m", "eagle3", "default")
+    other = default_budget_path("m", "eagle3", "default", ".rows-q4_1")
+    assert plain.name.endswith("cpu-cpu.json") and other.name == plain.name[:-5] + ".rows-q4_1.json"
+    save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 5, "depth": 3, "top_k": 2}}, plain)
+    assert resolve_budget("m", "eagle3", "default", None)[0].total_tokens == 5
+    assert resolve_budget("m", "eagle3", "default", "auto")[1] is None  # tuned before: loaded
+    # other kernels: not that budget, and --total-tokens auto tunes into their own file
+    assert resolve_budget("m", "eagle3", "default", None, kernels=".rows-q4_1")[0].total_tokens == 24
+    assert resolve_budget("m", "eagle3", "default", "auto", kernels=".rows-q4_1")[1] == other
+
+
 def test_static_tree_search_and_its_saved_budget(tmp_path):
     """eagle1's search: each static tree size once (sizes outside 2..20 skipped), then the chains at the
     best size; the saved record holds the tree's paths and loads back as the same budget."""

@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         return _fail(str(e))
 
-    from ..autotune import resolve_budget
+    from ..autotune import kernel_tag, resolve_budget
     from .server import pick_method
 
     say = lambda msg: print(f"[eagle_jax] {msg}", file=sys.stderr, flush=True)
@@ -177,7 +177,8 @@ def main(argv=None) -> int:
         method = pick_method(args.model, args.method, args.drafter)
         budget, tune_path = resolve_budget(args.model, method, args.drafter, args.total_tokens, args.depth,
                                            args.tree_top_k, args.budget_config, log=say, lookup=args.lookup,
-                                           lookup_min_ngram=args.lookup_min_ngram)
+                                           lookup_min_ngram=args.lookup_min_ngram,
+                                           kernels=kernel_tag(args.matmul, args.activations, args.draft_rows))
     except ValueError as e:
         return _fail(str(e))
     if serving:
