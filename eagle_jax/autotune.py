@@ -461,7 +461,8 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
                 f"is compiled, timed and run on the calibration prompts)")
         return default_budget(method, None, depth, top_k), path
     if total_tokens is None and depth is None and top_k is None:
-        for path in (default_budget_path(model, method, drafter, kernels), packaged_budget_path(model, method, drafter)):
+        tuned = default_budget_path(model, method, drafter, kernels)
+        for path in (tuned, packaged_budget_path(model, method, drafter)):
             if path.exists():  # tuned before on this device, else shipped for this platform: the default
                 budget = load_budget(path, method)
                 if log:
