@@ -32,6 +32,14 @@ eagle_jax.serve --total-tokens auto` finds it, and benchmarks with it. Without t
 method runs the tree serve would run: a budget tuned on this device before, else the one packaged
 for this platform, else the default tree.
 
+Greedy by default (then each eagle method's output is checked against plain decoding's:
+`same_tokens_as_vanilla`). `--temperature T` (with `--top-p`, `--top-k`) benchmarks sampled
+decoding instead: every method samples prompt i with seed `--seed` + i (transformers' methods
+seed PyTorch with it), so a rerun repeats each method's outputs. Methods consume their random
+numbers differently, so sampled outputs differ from plain decoding's by chance; that they follow
+the target's distribution exactly is what tests/test_sampling.py checks statistically. Budgets are
+tuned greedily, so `--total-tokens auto` takes no `--temperature`.
+
 `python -m eagle_jax.bench kernel ...` is the tree-attention microbenchmark (Pallas kernel
 against the reference path; see eagle_jax/kernels/bench.py); `python -m eagle_jax.bench matmul`
 times the few-row weight products through XLA and the CPU kernel (kernels/matmul_bench.py);
@@ -47,18 +55,17 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
                        parse_shapes, resolve_budget)
+from .bench_runners import ALL_METHODS, GREEDY, Sampling, make_runners
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget, parse_prefill_chunk
 from .serve.cli import add_kernel_arguments, read_prompts
 from .step_profile import profile_spec_step
 from .training.prompts import BENCH_CHAT_FILE, EVAL_CHAT_FILE, EVAL_CODE_FILE
 
-ALL_METHODS = ("vanilla", "eagle1", "eagle2", "eagle3", "hf", "hf-pld")
 # PyTorch on CPU runs its first two generations several times slower (measured): warm up twice.
 WARMUP_ROUNDS = 2
 
@@ -107,78 +114,35 @@ def machine_info() -> dict:
             "jax_devices": [str(d) for d in jax.devices()]}
 
 
-class HFRunner:
-    """transformers' generate on the engine's weights (float32), greedy; optional prompt lookup."""
-
-    def __init__(self, path: Path, eos_ids: list[int], prompt_lookup: int = 0):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        self.eos_ids = eos_ids
-        self.prompt_lookup = prompt_lookup
-
-    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
-        torch = self.torch
-        ids = torch.tensor([prompt_ids])
-        kw = {"prompt_lookup_num_tokens": self.prompt_lookup} if self.prompt_lookup else {}
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0],
-                                      **kw)
-        seconds = time.perf_counter() - t0
-        new = out[0, len(prompt_ids):].tolist()
-        return {"tokens": new, "new_tokens": len(new), "target_calls": None, "seconds": seconds}
-
-
-def make_runners(engine, methods, cache_len: int) -> dict:
-    runners = {}
-    for m in methods:
-        if m == "vanilla" or m in SPEC_METHODS:
-            if m != "vanilla" and m not in engine.heads:
-                raise ValueError(f"method {m} needs a drafter: call engine.add_method({m!r}, ...) first")
-
-            def run(ids, n, _e=engine, _m=m):
-                g = _e.generate_ids(ids, n, cache_len=cache_len, method=_m)
-                return {"tokens": g.tokens, "new_tokens": g.new_tokens, "target_calls": g.target_calls,
-                        "seconds": g.seconds, "accept_lengths": g.accept_lengths}
-            runners[m] = run
-        elif m in ("hf", "hf-pld"):
-            runners[m] = HFRunner(engine.path, engine.eos_ids, prompt_lookup=10 if m == "hf-pld" else 0)
-        else:
-            raise ValueError(f"unknown method {m!r}; available: {', '.join(ALL_METHODS)}")
-    return runners
-
-
 def run_bench(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None,
-              first_token: bool = True) -> dict:
+              first_token: bool = True, sampling: Sampling = GREEDY) -> dict:
     """Warm up every method, then decode each prompt with every method, order rotating per prompt."""
-    return summarize(run_rows(engine, prompts, methods, max_new_tokens, log, first_token=first_token))
+    return summarize(run_rows(engine, prompts, methods, max_new_tokens, log, first_token=first_token,
+                              sampling=sampling), sampled=not sampling.greedy)
 
 
 def run_rows(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None,
-             first_token: bool = True) -> dict:
+             first_token: bool = True, sampling: Sampling = GREEDY) -> dict:
     """The per-prompt results {method: [row, ...]} behind `run_bench` (rows of several prompt sets
     can be pooled before `summarize`). With `first_token`, each prompt is also decoded to one new
     token right after its full run (same method, same cache shape): that time — the prefill and the
     first token — is the row's `first_token_seconds`, and what the full run took beyond it is the
-    decoding loop's (`summarize`: first_token_s, loop_tokens_per_s)."""
+    decoding loop's (`summarize`: first_token_s, loop_tokens_per_s). Sampled, prompt i is decoded
+    with seed `sampling.seed` + i by every method."""
     cache_len = cache_length_for(max(len(p) for p in prompts), max_new_tokens, engine.cache_bucket)
-    runners = make_runners(engine, methods, cache_len)
+    runners = make_runners(engine, methods, cache_len, sampling)
     lengths = (max_new_tokens, 1) if first_token else (max_new_tokens,)
     for _ in range(WARMUP_ROUNDS):  # compile / allocate / let PyTorch pick its kernels; not counted
         for m in methods:
             for n in lengths:
-                runners[m](prompts[0], n)
+                runners[m](prompts[0], n, seed=sampling.seed)
     rows = {m: [] for m in methods}
     for i, ids in enumerate(prompts):
         order = methods[i % len(methods):] + methods[:i % len(methods)]
         for m in order:
-            row = runners[m](ids, max_new_tokens)
+            row = runners[m](ids, max_new_tokens, seed=sampling.seed + i)
             if first_token:
-                row["first_token_seconds"] = runners[m](ids, 1)["seconds"]
+                row["first_token_seconds"] = runners[m](ids, 1, seed=sampling.seed + i)["seconds"]
             rows[m].append(row)
         if log:
             log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
@@ -186,8 +150,9 @@ def run_rows(engine, prompts: list[list[int]], methods: list[str], max_new_token
     return rows
 
 
-def summarize(rows: dict) -> dict:
-    """Per-method totals. tokens_per_s = all new tokens / all seconds; tau = new tokens / target calls."""
+def summarize(rows: dict, sampled: bool = False) -> dict:
+    """Per-method totals. tokens_per_s = all new tokens / all seconds; tau = new tokens / target calls.
+    Greedy (not `sampled`), each method's tokens are compared with plain decoding's."""
     out = {}
     for m, rs in rows.items():
         new = sum(r["new_tokens"] for r in rs)
@@ -215,7 +180,7 @@ def summarize(rows: dict) -> dict:
             for r in out.values():
                 if key in r:
                     r[name] = r[key] / base
-    if "vanilla" in rows:
+    if "vanilla" in rows and not sampled:
         for m in rows:
             if m != "vanilla":
                 same = sum(a["tokens"] == b["tokens"] for a, b in zip(rows["vanilla"], rows[m]))
@@ -290,6 +255,12 @@ def build_parser():
                         "the time into first_token_s and the decoding loop's loop_tokens_per_s")
     p.add_argument("--profile-reps", type=int, default=10,
                    help="runs per part when timing a speculative step's drafting / verification (0: skip)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy, the default); every method samples prompt i "
+                        "with seed --seed + i")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None)
     p.add_argument("--lookup", type=int, default=None,
@@ -336,6 +307,10 @@ def main(argv=None) -> int:
         if any(n < 1 for n in lookup_ngrams):
             raise ValueError(f"--auto-lookup-ngrams must be >= 1, got {args.auto_lookup_ngrams!r}")
         prefill_chunk = parse_prefill_chunk(args.prefill_chunk)
+        sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
+        if auto and not sampling.greedy:
+            raise ValueError("--total-tokens auto tunes trees on greedy decoding; tune without --temperature, "
+                             "then benchmark sampling with the saved budget")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -371,9 +346,12 @@ def main(argv=None) -> int:
     rows_by_set = {}
     for name, ids in prompt_ids.items():
         log(f"prompt set {name}")
-        rows_by_set[name] = run_rows(engine, ids, methods, args.max_new_tokens, log, first_token=args.first_token)
+        rows_by_set[name] = run_rows(engine, ids, methods, args.max_new_tokens, log, first_token=args.first_token,
+                                     sampling=sampling)
     pooled = {m: [r for rows in rows_by_set.values() for r in rows[m]] for m in methods}
-    result = {"methods": summarize(pooled), "sets": {n: summarize(r) for n, r in rows_by_set.items()},
+    sampled = not sampling.greedy
+    result = {"methods": summarize(pooled, sampled),
+              "sets": {n: summarize(r, sampled) for n, r in rows_by_set.items()},
               "machine": machine_info(),
               "settings": {"prompts": args.prompts, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "model": args.model, "dtype": args.dtype,
@@ -381,6 +359,7 @@ def main(argv=None) -> int:
                            "draft_rows": engine.draft_rows, "activations": engine.activations,
                            "prefill_chunk": engine.prefill_chunk,
                            "gguf_blocks": engine.quantized, "drafter": args.drafter,
+                           "sampling": dataclasses.asdict(sampling),
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
     if tuned:
         result["autotune"] = tuned
@@ -436,6 +415,10 @@ def _chain(r: dict) -> str:
 
 def full_markdown(result: dict) -> str:
     parts = []
+    sp = result.get("settings", {}).get("sampling")
+    if sp and sp["temperature"] > 0:
+        parts.append(f"sampled: temperature {sp['temperature']:g}, top-p {sp['top_p']:g}, top-k {sp['top_k']}, "
+                     f"prompt i seeded {sp['seed']} + i (outputs differ from plain decoding's by chance)")
     for name, res in result.get("sets", {}).items():
         parts.append(f"prompt set: {name}\n\n" + markdown_table(res))
     if len(result.get("sets", {})) != 1:

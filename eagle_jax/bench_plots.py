@@ -26,7 +26,10 @@ def _title(result: dict) -> str:
     m = result.get("machine", {})
     s = result.get("settings", {})
     model = Path(str(s.get("model", ""))).name
-    return (f"{model}, {s.get('max_new_tokens', '')} new tokens, greedy — "
+    sp = s.get("sampling") or {}
+    how = (f"sampled (T {sp['temperature']:g}, top-p {sp['top_p']:g}, top-k {sp['top_k']})"
+           if sp.get("temperature", 0) > 0 else "greedy")
+    return (f"{model}, {s.get('max_new_tokens', '')} new tokens, {how} — "
             f"{m.get('cpu', m.get('jax_backend', ''))} "
             f"({', '.join(filter(None, (m.get('cpu_isa'), m.get('jax_backend'))))})")
 

@@ -18,13 +18,13 @@ def test_counts_tau_and_warmup_exclusion(tiny_hf_dir, monkeypatch):
     calls = {"vanilla": 0, "hf": 0}
     real = bench.make_runners
 
-    def counting(engine, methods, cache_len):
-        runners = real(engine, methods, cache_len)
+    def counting(engine, methods, cache_len, sampling=bench.GREEDY):
+        runners = real(engine, methods, cache_len, sampling)
 
         def wrap(m, f):
-            def run(ids, n):
+            def run(ids, n, seed=0):
                 calls[m] += 1
-                return f(ids, n)
+                return f(ids, n, seed=seed)
             return run
         return {m: wrap(m, f) for m, f in runners.items()}
 
@@ -45,6 +45,39 @@ def test_counts_tau_and_warmup_exclusion(tiny_hf_dir, monkeypatch):
     assert h["same_tokens_as_vanilla"] == "3/3"  # same weights, same greedy tokens
     assert abs(v["speedup_vs_hf"] * h["speedup_vs_vanilla"] - 1) < 1e-9
     assert abs(v["tokens_per_s"] - v["new_tokens"] / v["seconds"]) < 1e-9
+
+
+def test_sampled_bench_seeds_each_prompt_and_skips_the_identity_check(tiny_hf_dir, tmp_path, capsys):
+    engine = Engine(str(tiny_hf_dir), progress=False)
+    engine.add_method("eagle3", "random")
+    prompts = [engine.encode(p) for p in ["w5 w6", "w7", "w8 w9 w10"]]
+    sp = bench.Sampling(temperature=1.3, top_p=0.95, seed=11)
+    rows = bench.run_rows(engine, prompts, ["vanilla", "eagle3", "hf"], 8, first_token=False, sampling=sp)
+    for m in ("vanilla", "eagle3"):  # prompt i sampled with seed 11 + i: a rerun makes the same tokens
+        again = [engine.generate_ids(p, 8, method=m, temperature=1.3, top_p=0.95, seed=11 + i).tokens
+                 for i, p in enumerate(prompts)]
+        assert [r["tokens"] for r in rows[m]] == again
+    greedy = [engine.generate_ids(p, 8).tokens for p in prompts]
+    assert [r["tokens"] for r in rows["vanilla"]] != greedy != [r["tokens"] for r in rows["hf"]]  # they sampled
+    hf = bench.make_runners(engine, ["hf"], 64, sp)["hf"]
+    assert [hf(p, 8, seed=11 + i)["tokens"] for i, p in enumerate(prompts)] == [r["tokens"] for r in rows["hf"]]
+    out = bench.summarize(rows, sampled=True)
+    assert all("same_tokens_as_vanilla" not in r for r in out.values())
+    assert out["eagle3"]["new_tokens"] == sum(len(r["tokens"]) for r in rows["eagle3"])
+    assert out["eagle3"]["tau"] == out["eagle3"]["new_tokens"] / sum(r["target_calls"] for r in rows["eagle3"])
+    # the CLI: settings record the sampling; autotuning (greedy) and bad settings are refused
+    assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(_prompt_file(tmp_path / "p.jsonl", ["w5"])),
+                       "--max-new-tokens", "4", "--methods", "vanilla", "--temperature", "0.7", "--top-k", "5",
+                       "--json"]) == 0
+    cap = capsys.readouterr()
+    res = json.loads(cap.out.splitlines()[-1])
+    assert res["settings"]["sampling"] == {"temperature": 0.7, "top_p": 1.0, "top_k": 5, "seed": 0}
+    assert "sampled: temperature 0.7, top-p 1, top-k 5" in cap.err
+    from eagle_jax.bench_plots import _title
+    assert "sampled (T 0.7, top-p 1, top-k 5)" in _title(res) and "greedy" in _title({})
+    for bad in (["--temperature", "0.7", "--total-tokens", "auto"], ["--temperature", "-1"], ["--top-p", "0"]):
+        assert bench.main(["--model", str(tiny_hf_dir), "--methods", "vanilla", *bad]) == 2
+    assert "greedy" in capsys.readouterr().err
 
 
 def test_first_token_split_arithmetic():
