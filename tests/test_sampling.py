@@ -35,6 +35,87 @@ def test_filter_matches_transformers_warpers(temperature, top_k, top_p, rng):
     np.testing.assert_allclose(got[np.isfinite(got)], ref[np.isfinite(ref)], rtol=1e-6)
 
 
+def _warped(logits, temperature, top_k, top_p):
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    t = TemperatureLogitsWarper(temperature)(None, torch.tensor(logits))
+    if top_k:
+        t = TopKLogitsWarper(top_k)(None, t)
+    if top_p < 1:
+        t = TopPLogitsWarper(top_p)(None, t)
+    return t.numpy()
+
+
+def _sorted_reference(logits, temperature, top_k, top_p):
+    """The filter by a full sort (numpy, float32): the k-th value, then the smallest value whose
+    strictly more likely tokens (within the top-k) hold less than top_p; every logit >= it kept."""
+    x = logits.astype(np.float32) / np.float32(temperature)
+    out = np.full_like(x, -np.inf)
+    for r in range(x.shape[0]):
+        srt = -np.sort(-x[r])
+        k = top_k if 0 < top_k < len(srt) else len(srt)
+        srt = np.where(srt >= srt[k - 1], srt, -np.inf)
+        e = np.exp(srt - srt[0])
+        probs = e / e.sum()
+        before = np.cumsum(probs) - probs
+        keep = (before < top_p) & np.isfinite(srt) if top_p < 1 else np.isfinite(srt)
+        keep[0] = True
+        thresh = srt[keep.sum() - 1]
+        out[r] = np.where(x[r] >= thresh, x[r], -np.inf)
+    return out
+
+
+def test_filter_over_a_vocabulary_wide_row_matches_transformers_on_both_paths(rng):
+    """Rows of 49152 logits: top-p settled among the 64 largest (a peaked row) and past them (a flat
+    row, found by bisection), top-k inside and beyond the candidates, ties at the k-th value; each row
+    filtered alone and in one batch with the others gives the same bits."""
+    v = 49152
+    flat = rng.normal(size=v).astype(np.float32)
+    peaked = flat.copy()
+    peaked[rng.choice(v, 12, replace=False)] += 14.0
+    tied = np.round(flat * 2) / 2  # many equal values around every k-th
+    block = np.full(v, -30.0, np.float32)  # one logit, then 100 tied 4.6 below it: the top-20 set is all 101
+    block[rng.choice(v, 101, replace=False)] = [5.0 + np.log(100.0)] + [5.0] * 100
+    rows = np.stack([peaked, flat, flat, peaked, tied, tied, flat, block])
+    settings = [(0.7, 0, 0.95), (0.7, 0, 0.95), (1.0, 200, 0.9), (1.3, 40, 0.8), (1.0, 20, 0.7), (1.0, 90, 1.0),
+                (1.0, 0, 1.0), (1.0, 20, 0.55)]
+    sp = SamplingParams(jnp.asarray([t for t, _, _ in settings], jnp.float32),
+                        jnp.asarray([p for _, _, p in settings], jnp.float32),
+                        jnp.asarray([k for _, k, _ in settings], jnp.int32))
+    got = np.asarray(jax.jit(filter_logits)(jnp.asarray(rows), sp))
+    for i, (temperature, top_k, top_p) in enumerate(settings):
+        # transformers splits a tie at the top-p boundary by sort position; eagle_jax keeps the tie whole
+        ref = (_sorted_reference if i in (4, 5, 7) else _warped)(rows[i:i + 1], temperature, top_k, top_p)[0]
+        np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(ref), err_msg=f"row {i}")
+        np.testing.assert_allclose(got[i][np.isfinite(got[i])], ref[np.isfinite(ref)], rtol=1e-6)
+        alone = filter_logits(jnp.asarray(rows[i:i + 1]), SamplingParams.create(1, temperature, top_p, top_k))
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[i])
+    kept = np.isfinite(got).sum(-1)
+    assert kept[0] <= 64 < kept[1] and 64 < kept[5] and kept[7] == 101  # both paths were taken
+
+
+def test_draws_follow_the_given_probabilities_and_never_hit_a_zero():
+    from eagle_jax.sampling import categorical, categorical_probs
+
+    rng = np.random.default_rng(3)
+    v = 700  # three blocks of 256, the last one padded
+    p = np.zeros(v, np.float32)
+    support = rng.choice(v, 9, replace=False)
+    p[support] = rng.dirichlet(np.ones(9)).astype(np.float32)
+    n = 40000
+    keys = jax.random.split(jax.random.PRNGKey(5), n)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: categorical_probs(k, jnp.asarray(p)[None] * 3.0)[0]))(keys))
+    assert set(np.unique(draws)) <= set(support.tolist())
+    counts = np.array([(draws == s).sum() for s in support])
+    assert stats.chisquare(counts, p[support] / p[support].sum() * n).pvalue > 1e-3
+    # the test has power: a sampler off by one token, or with one probability doubled, is rejected
+    assert stats.chisquare(counts, np.roll(p[support], 1) / p[support].sum() * n).pvalue < 1e-6
+    logits = np.where(p > 0, np.log(np.maximum(p, 1e-30)), -np.inf).astype(np.float32)
+    from_logits = np.asarray(jax.jit(jax.vmap(lambda k: categorical(k, jnp.asarray(logits)[None])[0]))(keys))
+    np.testing.assert_array_equal(from_logits, draws)
+
+
 @pytest.mark.parametrize("shape", [(3, 49152), (2, 12288), (2, 3, 1000), (5, 257), (4, 100)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "nan", "inf_then_nan", "all_neg_inf", "pos_inf", "bool", "int"])
 def test_argmax_last_is_jnp_argmax(shape, kind, monkeypatch):

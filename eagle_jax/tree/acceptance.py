@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..sampling import SamplingParams, argmax_last, target_probs
+from ..sampling import SamplingParams, argmax_last, categorical_probs, target_probs
 from .buffers import ancestor_chains, chains_to_paths, effective_parents
 
 
@@ -111,13 +111,13 @@ def sample_accept(key: jax.Array, tokens_bn: jax.Array, parents_bn: jax.Array, v
     eff = effective_parents(parents_bn, valid_bn)
     tokens = tokens_bn.astype(jnp.int32)
     step_keys = jax.vmap(lambda k: jax.random.split(k, d + 1))(_row_keys(key, b))  # [B, D+1]
-    logp = jnp.log(target_probs_bnv.astype(jnp.float32))  # log 0 = -inf: never drawn
-    draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))
+    probs = target_probs_bnv.astype(jnp.float32)  # 0: never drawn
+    draw = jax.vmap(lambda k, p: categorical_probs(k, p[None])[0])
 
     def step(i, carry):
         cur, done, path, m, bonus = carry
-        lp = jnp.take_along_axis(logp, cur[:, None, None], axis=1)[:, 0]  # [B, V]
-        t = draw(step_keys[:, i], lp).astype(jnp.int32)
+        p = jnp.take_along_axis(probs, cur[:, None, None], axis=1)[:, 0]  # [B, V]
+        t = draw(step_keys[:, i], p)
         match = (eff == cur[:, None]) & (tokens == t[:, None]) & (i < d)
         advance = ~done & jnp.any(match, axis=-1)
         stop = ~done & ~advance
