@@ -367,7 +367,8 @@ def main(argv=None) -> int:
         first = next(iter(prompt_ids.values()))[0]
         for m in methods:
             if m in SPEC_METHODS:
-                split = profile_spec_step(engine, m, first, reps=args.profile_reps)
+                split = profile_spec_step(engine, m, first, reps=args.profile_reps, temperature=sampling.temperature,
+                                          top_p=sampling.top_p, top_k=sampling.top_k)
                 result["methods"][m]["time_split"] = split
                 log(f"{m} step: draft {split['draft_ms']:.1f} ms, verify {split['verify_ms']:.1f} ms, "
                     f"other {split['other_ms']:.1f} ms of {split['step_ms']:.1f} ms")

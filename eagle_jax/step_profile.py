@@ -74,15 +74,17 @@ def _paired_median_ms(fn_a, fn_b, reps: int) -> tuple[float, float, float]:
 
 
 def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Optional[TreeBudget] = None,
-                      reps: int = 10, cache_len: Optional[int] = None) -> dict:
+                      reps: int = 10, cache_len: Optional[int] = None, temperature: float = 0.0,
+                      top_p: float = 1.0, top_k: int = 0) -> dict:
     """{"draft_ms", "verify_ms", "step_ms", "other_ms", "plain_ms", "step_over_plain", "draft_frac",
-    "verify_frac", "tree_tokens"} for one greedy step of `method` on `engine` right after
-    `prompt_ids`' prefill."""
+    "verify_frac", "tree_tokens"} for one step of `method` on `engine` right after `prompt_ids`'
+    prefill: greedy, or sampled with these settings (then the whole step and the plain step sample,
+    and "other" holds the sampled acceptance)."""
     if method not in engine.heads:
         raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
     budget = budget or engine.budgets[method]
     head = engine.heads[method]
-    _, args = engine._request(prompt_ids, 64, 0.0, 1.0, 0, 0, cache_len, method)
+    _, args = engine._request(prompt_ids, 64, temperature, top_p, top_k, 0, cache_len, method)
     state = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
     tree = _draft(engine.params, engine.cfg, head, state, budget)
     draft_ms = _median_ms(lambda: _draft(engine.params, engine.cfg, head, state, budget), reps)

@@ -47,7 +47,7 @@ def test_counts_tau_and_warmup_exclusion(tiny_hf_dir, monkeypatch):
     assert abs(v["tokens_per_s"] - v["new_tokens"] / v["seconds"]) < 1e-9
 
 
-def test_sampled_bench_seeds_each_prompt_and_skips_the_identity_check(tiny_hf_dir, tmp_path, capsys):
+def test_sampled_bench_seeds_each_prompt_and_skips_the_identity_check(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     engine = Engine(str(tiny_hf_dir), progress=False)
     engine.add_method("eagle3", "random")
     prompts = [engine.encode(p) for p in ["w5 w6", "w7", "w8 w9 w10"]]
@@ -65,10 +65,16 @@ def test_sampled_bench_seeds_each_prompt_and_skips_the_identity_check(tiny_hf_di
     assert all("same_tokens_as_vanilla" not in r for r in out.values())
     assert out["eagle3"]["new_tokens"] == sum(len(r["tokens"]) for r in rows["eagle3"])
     assert out["eagle3"]["tau"] == out["eagle3"]["new_tokens"] / sum(r["target_calls"] for r in rows["eagle3"])
-    # the CLI: settings record the sampling; autotuning (greedy) and bad settings are refused
+    # the CLI: every decode, the step profile's too, samples; settings record the sampling; autotuning
+    # (greedy) and bad settings are refused
+    temperatures = []
+    real_request = Engine._request
+    monkeypatch.setattr(Engine, "_request", lambda self, ids, n, t, *a: temperatures.append(t) or
+                        real_request(self, ids, n, t, *a))
     assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(_prompt_file(tmp_path / "p.jsonl", ["w5"])),
-                       "--max-new-tokens", "4", "--methods", "vanilla", "--temperature", "0.7", "--top-k", "5",
-                       "--json"]) == 0
+                       "--max-new-tokens", "4", "--methods", "vanilla,eagle3", "--drafter", "random",
+                       "--temperature", "0.7", "--top-k", "5", "--profile-reps", "1", "--json"]) == 0
+    assert temperatures and set(temperatures) == {0.7}
     cap = capsys.readouterr()
     res = json.loads(cap.out.splitlines()[-1])
     assert res["settings"]["sampling"] == {"temperature": 0.7, "top_p": 1.0, "top_k": 5, "seed": 0}
