@@ -24,6 +24,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle_jax")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(_base).expanduser() / "xla-tests")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    # The tests compile hundreds of programs and run most of them for a few steps on tiny models, so
+    # XLA:CPU's LLVM optimisation (level 3 by default) is most of their time. Level 0 keeps every HLO
+    # pass and the same kernels (matmuls, our C++ int8/top-k kernels); it only leaves the generated
+    # loops unoptimised. The whole suite on a cold compilation cache: 28m15s -> 20m51s on the 2-core
+    # Zen 3 VM. Results can differ from level 3 in the last bit (contracted multiply-adds), so a
+    # near-tie can pick another greedy token than a user's run does; each test compares programs of
+    # one process (or its children, which inherit this), so what they check holds at either level.
+    # To run the suite as users' programs are compiled: XLA_FLAGS=--xla_backend_optimization_level=3.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import numpy as np
 import pytest

@@ -147,11 +147,9 @@ def test_unknown_prompt_set_is_refused(capsys):
 
 @pytest.mark.slow  # compiles and times every candidate tree, then serve in a child process (about 2 minutes)
 def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys, monkeypatch):
-    import subprocess
-    import sys
-
     from eagle_jax import autotune
     from eagle_jax.autotune import default_budget_path, load_budget
+    from eagle_jax.serve.cli import main as serve_main
 
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
     released = []
@@ -211,12 +209,10 @@ def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys,
                                              saved.lookup_min_ngram) == shape(best)
     assert (tmp_path / "plots" / "budget.png").exists()
 
-    r = subprocess.run([sys.executable, "-m", "eagle_jax.serve", "--model", str(tiny_hf_dir), "--prompt", "w5",
-                        "--method", "eagle3", "--drafter", "random", "--total-tokens", "auto", "--max-new-tokens", "4",
-                        "--json"], capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "EAGLE_JAX_CACHE": str(tmp_path / "cache")})
-    assert r.returncode == 0, r.stderr
-    assert f"tuned tree budget from {path}: {best['total_tokens']} tokens" in r.stderr
+    # serve's CLI, in this process (its programs are the benchmark's, already compiled)
+    assert serve_main(["--model", str(tiny_hf_dir), "--prompt", "w5", "--method", "eagle3", "--drafter", "random",
+                       "--total-tokens", "auto", "--max-new-tokens", "4", "--json"]) == 0
+    assert f"tuned tree budget from {path}: {best['total_tokens']} tokens" in capsys.readouterr().err
     from eagle_jax.autotune import resolve_budget
 
     assert resolve_budget(str(tiny_hf_dir), "eagle3", "random", None)[0].total_tokens == best["total_tokens"]

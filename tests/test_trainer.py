@@ -206,7 +206,8 @@ def _two_process_run(tmp_path, total_steps):
     for i in range(2):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
                "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         args = ["--config", str(TOY), "--output-dir", str(tmp_path / f"out{i}"), "--set", "train.mesh=[2,2,2]",
                 "--set", f"train.checkpoint_dir={json.dumps(str(tmp_path / 'ckpt'))}", "--set", "train.save_every=2",
