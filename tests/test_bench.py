@@ -145,7 +145,7 @@ def test_unknown_prompt_set_is_refused(capsys):
     assert "nonsense" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # compiles and times every candidate tree, then serve in a child process (about 2 minutes)
+@pytest.mark.slow  # compiles and times every candidate tree, then runs serve (75 s in a cold CI run)
 def test_autotune_saves_a_budget_that_serve_loads(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     from eagle_jax import autotune
     from eagle_jax.autotune import default_budget_path, load_budget
