@@ -24,6 +24,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle_jax")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(_base).expanduser() / "xla-tests")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+# JAX keeps only programs that took at least 1 s to compile; at level 0 (below) most tiny-model
+# programs take less, so a warm run would recompile them. From 0.2 s up: tests/test_decoding.py
+# cold / warm 57 / 50 s with 1 s, 53 / 35 s with 0.2 s, 66 / 31 s with 0 (writing every small program).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     # The tests compile hundreds of programs and run most of them for a few steps on tiny models, so
     # XLA:CPU's LLVM optimisation (level 3 by default) is most of their time. Level 0 keeps every HLO
