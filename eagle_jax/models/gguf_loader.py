@@ -35,6 +35,7 @@ import numpy as np
 
 from .checkpoint import CheckpointError, expected_hf_tensors
 from .config import ModelConfig, RopeScaling
+from .gguf_index import Field, GGUFIndex, UnsupportedGGUF
 
 
 class GGUFError(ValueError):
@@ -132,10 +133,13 @@ class GGUFModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
-        try:
-            self._reader = GGUFReader(str(self.path))
-        except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on bad files
-            raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
+        try:  # the fast header reader; gguf's own reads what it does not (and reports bad files)
+            self._reader = GGUFIndex(str(self.path))
+        except UnsupportedGGUF:
+            try:
+                self._reader = GGUFReader(str(self.path))
+            except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on bad files
+                raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
         self.architecture = self._meta("general.architecture", "")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(f"GGUF architecture {self.architecture!r} in {self.path.name} is not supported "
@@ -197,7 +201,8 @@ class GGUFModel:
         theta = _shortest_float(self._arch_meta("rope.freq_base", 10000.0))
 
         if "tokenizer.ggml.tokens" in self._reader.fields:
-            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+            tokens = self._reader.fields["tokenizer.ggml.tokens"]
+            vocab = tokens.count if isinstance(tokens, Field) else len(tokens.data)  # GGUFIndex / GGUFReader
         elif self._arch_meta("vocab_size", None) is not None:
             vocab = int(self._arch_meta("vocab_size"))
         elif "model.embed_tokens.weight" in self._tensors:
