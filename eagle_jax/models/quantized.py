@@ -105,6 +105,7 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
     n_bytes = 0
     for group, name in _LINEARS:
         per_layer = []
+        stacked = None  # the float32 weights [L, K, N] as numpy, taken once (not a jax slice per layer)
         for i in range(cfg.num_layers):
             hf = f"model.layers.{i}.{group}.{name}.weight"
             got = _blocks(model, hf, cfg)
@@ -113,7 +114,9 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
                 break
             kind, rows = got
             if check == "all" or (check == "first" and i == 0):
-                _check(hf, kind, rows, np.asarray(params["layers"][group][name]["kernel"][i]).T)
+                if stacked is None:
+                    stacked = np.asarray(params["layers"][group][name]["kernel"])
+                _check(hf, kind, rows, stacked[i].T)
             per_layer.append((kind, rows))
         if not per_layer or len({k for k, _ in per_layer}) != 1:
             continue  # unquantized, or mixed types across layers: the float32 path
