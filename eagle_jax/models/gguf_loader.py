@@ -395,11 +395,11 @@ def read_gguf(path: str | os.PathLike, progress: bool = True
 
 
 def gguf_tokenizer(path: str | os.PathLike):
-    """The transformers tokenizer stored in a GGUF file (vocabulary, merges, special tokens, chat template)."""
-    from transformers import AutoTokenizer
+    """The transformers tokenizer stored in a GGUF file (vocabulary, merges, special tokens, chat
+    template), built without torch (`gguf_hf_tokenizer.py`)."""
+    from .gguf_hf_tokenizer import build_tokenizer
 
-    path = Path(path).resolve()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return build_tokenizer(Path(path).resolve())
 
 
 # ---------------------------------------------------------------------------------- writing
