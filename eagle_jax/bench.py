@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -59,7 +60,7 @@ from pathlib import Path
 
 from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
                        parse_shapes, resolve_budget)
-from .bench_runners import ALL_METHODS, GREEDY, Sampling, make_runners
+from .bench_runners import ALL_METHODS, GREEDY, TORCH_METHODS, Sampling, make_runners
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget, parse_prefill_chunk
 from .serve.cli import add_kernel_arguments, read_prompts
@@ -295,6 +296,13 @@ def main(argv=None) -> int:
     bad = [m for m in methods if m not in ALL_METHODS]
     if bad:
         print(f"error: unknown method(s) {bad}; available: {', '.join(ALL_METHODS)}", file=sys.stderr)
+        return 2
+    need_torch = [m for m in methods if m in TORCH_METHODS]
+    if need_torch and importlib.util.find_spec("torch") is None:  # before minutes of loading, not after
+        verb = "run" if len(need_torch) > 1 else "runs"
+        print(f"error: {' and '.join(need_torch)} {verb} transformers' generate, which needs torch: "
+              f"pip install -e \".[bench]\", or leave them out of --methods (e.g. --methods vanilla,eagle3)",
+              file=sys.stderr)
         return 2
     try:
         sets = resolve_prompt_sets(args.prompts)

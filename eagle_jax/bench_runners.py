@@ -14,6 +14,7 @@ from .engine import SPEC_METHODS
 from .sampling import validate_sampling
 
 ALL_METHODS = ("vanilla", "eagle1", "eagle2", "eagle3", "hf", "hf-pld")
+TORCH_METHODS = ("hf", "hf-pld")  # transformers' generate: torch (`pip install -e ".[bench]"`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def make_runners(engine, methods, cache_len: int, sampling: Sampling = GREEDY) -
                 return {"tokens": g.tokens, "new_tokens": g.new_tokens, "target_calls": g.target_calls,
                         "seconds": g.seconds, "accept_lengths": g.accept_lengths}
             runners[m] = run
-        elif m in ("hf", "hf-pld"):
+        elif m in TORCH_METHODS:
             runners[m] = HFRunner(engine.path, engine.eos_ids, prompt_lookup=10 if m == "hf-pld" else 0,
                                   sampling=sampling)
         else:

@@ -1,6 +1,7 @@
 """Benchmark bookkeeping on the tiny model (no timing assertions)."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,13 @@ def test_prompt_sets_time_split_and_plots(tiny_hf_dir, tmp_path, capsys):
 def test_unknown_prompt_set_is_refused(capsys):
     assert bench.main(["--prompts", "chat,nonsense", "--methods", "vanilla"]) == 2
     assert "nonsense" in capsys.readouterr().err
+
+
+def test_transformers_methods_without_torch_are_refused_before_loading(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # as where only `pip install -e .` went in
+    assert bench.main(["--model", "no/such/model", "--methods", "vanilla,hf-pld"]) == 2
+    err = capsys.readouterr().err
+    assert "hf-pld" in err and "needs torch" in err and ".[bench]" in err
 
 
 @pytest.mark.slow  # compiles and times every candidate tree, then runs serve (75 s in a cold CI run)
