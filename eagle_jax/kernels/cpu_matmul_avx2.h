@@ -262,16 +262,70 @@ inline void qx_quantize(const float* x, int64_t M, int64_t K, uint8_t* out) {
   }
 }
 
-// T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1),
-// the group's two halves of 8 columns one after the other (a group's block stays in L1).
+// Q4_1: T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1),
+// both 8-column halves of a group in one pass over its block, so each broadcast of 4 bytes of x feeds
+// two vpmaddubsw (Zen 3 issues a broadcast from memory on a vector pipe too). The int16 sums are
+// exact in any order (see above), and each output's float32 operations are the same, in the same
+// order, as the one-half-at-a-time loop's, so the result is bit for bit the same. Measured on the
+// Zen 3 VM (one thread, 200 [T, 576] x [576, 1536] products from memory, a standalone harness):
+// 1 to 4 rows 5%, 4%, 11% and 11% faster than a half at a time.
+template <int T>
+void qx_q41_block(const uint8_t* xq, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t GB = qx_group_bytes(true), WB = GB - 64;
+  const int64_t nb = K / 32, stride = qx_row_bytes(K);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += kQxCols) {
+    const uint8_t* wg = w + (n / kQxCols) * nb * GB;
+    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = wg + b * GB;
+      __m256i s16[T][2];  // [row][half]: the block's 8 products of 4 bytes, summed in int16
+      for (int p = 0; p < 4; ++p) {  // 64 bytes: half 0's then half 1's nibbles of vectors 2p and 2p + 1
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p + 32));
+        const __m256i w00 = _mm256_and_si256(v0, low4), w01 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        const __m256i w10 = _mm256_and_si256(v1, low4), w11 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const int32_t* xb = reinterpret_cast<const int32_t*>(xq + t * stride + 32 * b);
+          const __m256i b0 = _mm256_set1_epi32(xb[2 * p]), b1 = _mm256_set1_epi32(xb[2 * p + 1]);
+          const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, b0), _mm256_maddubs_epi16(w01, b1));
+          const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(w10, b0), _mm256_maddubs_epi16(w11, b1));
+          s16[t][0] = p ? _mm256_add_epi16(s16[t][0], a0) : a0;
+          s16[t][1] = p ? _mm256_add_epi16(s16[t][1], a1) : a1;
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 32 + 16 * h)));
+        for (int t = 0; t < T; ++t) {
+          const float* xs = reinterpret_cast<const float*>(xq + t * stride + K);
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t][h], ones));
+          acc[t][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t][h]);
+          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t][h]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + t * N + n + 8 * h, acc[t][h]);
+  }
+}
+
+// T quantised rows against the 16-column groups of [n0, n1): Q4_1 above; Q8_0 a group's two halves of
+// 8 columns one after the other (a group's block stays in L1).
 template <bool Q4, int T>
 void qx_block(const float* xq_as_float, const float* w_as_float, const float*, float* y, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
   const uint8_t* xq = reinterpret_cast<const uint8_t*>(xq_as_float);  // BlockFn's signature; really bytes
   const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);
-  constexpr int64_t GB = qx_group_bytes(Q4), WB = GB - 64;
+  if constexpr (Q4) {
+    qx_q41_block<T>(xq, w, y, K, N, n0, n1);
+    return;
+  }
+  constexpr int64_t GB = qx_group_bytes(false), WB = GB - 64;
   const int64_t nb = K / 32, stride = qx_row_bytes(K);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; n += kQxCols) {
     const uint8_t* wg = w + (n / kQxCols) * nb * GB;
     prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
@@ -280,42 +334,26 @@ void qx_block(const float* xq_as_float, const float* w_as_float, const float*, f
       for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* wb = wg + b * GB;
-        __m256i wv[8];  // Q4_1: the nibbles; Q8_0: q (signed)
-        if (Q4) {
-          for (int p = 0; p < 4; ++p) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p + 32 * h));
-            wv[2 * p] = _mm256_and_si256(v, low4);
-            wv[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          }
-        } else {
-          for (int j = 0; j < 8; ++j)
-            wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32 * h)), bias);
-        }
+        __m256i wv[8];  // q (signed)
+        for (int j = 0; j < 8; ++j)
+          wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32 * h)), bias);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 16 * h)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 32 + 16 * h)));
         for (int t = 0; t < T; ++t) {
           const uint8_t* xr = xq + t * stride;
           const int32_t* xb = reinterpret_cast<const int32_t*>(xr + 32 * b);
           const float* xs = reinterpret_cast<const float*>(xr + K);
-          __m256i isum;
-          if (Q4) {
-            __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xb[0]));
-            for (int j = 1; j < 8; ++j)
-              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xb[j])));
-            isum = _mm256_madd_epi16(s16, ones);
-          } else {
-            auto prod = [&](int j) {  // |q| times x with q's sign, pairs into int16, then into int32
-              const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xb[j]), wv[j]);
-              return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), sx), ones);
-            };
-            __m256i s0 = prod(0), s1 = prod(1);
-            for (int j = 2; j < 8; j += 2) {
-              s0 = _mm256_add_epi32(s0, prod(j));
-              s1 = _mm256_add_epi32(s1, prod(j + 1));
-            }
-            const int32_t* qs = reinterpret_cast<const int32_t*>(xs + 2 * nb);
-            isum = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * qs[b]));
+          auto prod = [&](int j) {  // |q| times x with q's sign, pairs into int16, then into int32
+            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xb[j]), wv[j]);
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), sx), ones);
+          };
+          __m256i s0 = prod(0), s1 = prod(1);
+          for (int j = 2; j < 8; j += 2) {
+            s0 = _mm256_add_epi32(s0, prod(j));
+            s1 = _mm256_add_epi32(s1, prod(j + 1));
           }
+          const int32_t* qs = reinterpret_cast<const int32_t*>(xs + 2 * nb);
+          const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * qs[b]));
           const __m256 sum = _mm256_cvtepi32_ps(isum);
           acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t]);
           acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t]);
