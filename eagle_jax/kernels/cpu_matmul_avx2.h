@@ -312,54 +312,63 @@ void qx_q41_block(const uint8_t* xq, const uint8_t* w, float* y, int64_t K, int6
   }
 }
 
-// T quantised rows against the 16-column groups of [n0, n1): Q4_1 above; Q8_0 a group's two halves of
-// 8 columns one after the other (a group's block stays in L1).
-template <bool Q4, int T>
-void qx_block(const float* xq_as_float, const float* w_as_float, const float*, float* y, int64_t K, int64_t N,
-              int64_t n0, int64_t n1) {
-  const uint8_t* xq = reinterpret_cast<const uint8_t*>(xq_as_float);  // BlockFn's signature; really bytes
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);
-  if constexpr (Q4) {
-    qx_q41_block<T>(xq, w, y, K, N, n0, n1);
-    return;
-  }
+// Q8_0: the same single pass over a group's block for both halves; per row and half, |q| times x
+// carrying q's sign, even and odd vectors summed apart in int32 (then the two), as before the pass was
+// shared. Measured as above (120 products, from memory): 2 to 4 rows 14-19% faster, 1 row 5%.
+template <int T>
+void qx_q80_block(const uint8_t* xq, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   constexpr int64_t GB = qx_group_bytes(false), WB = GB - 64;
   const int64_t nb = K / 32, stride = qx_row_bytes(K);
   const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; n += kQxCols) {
     const uint8_t* wg = w + (n / kQxCols) * nb * GB;
     prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc[T];
-      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = wg + b * GB;
-        __m256i wv[8];  // q (signed)
-        for (int j = 0; j < 8; ++j)
-          wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32 * h)), bias);
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = wg + b * GB;
+      __m256i s[T][2][2];  // [row][half][even/odd j]: int32 sums, as the one-half loop's s0 / s1
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j)), bias);
+        const __m256i q1 =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32)), bias);
+        const __m256i a0 = _mm256_abs_epi8(q0), a1 = _mm256_abs_epi8(q1);
+        for (int t = 0; t < T; ++t) {
+          const int32_t* xb = reinterpret_cast<const int32_t*>(xq + t * stride + 32 * b);
+          const __m256i bx = _mm256_set1_epi32(xb[j]);
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(bx, q0)), ones);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(bx, q1)), ones);
+          s[t][0][j & 1] = j < 2 ? p0 : _mm256_add_epi32(s[t][0][j & 1], p0);
+          s[t][1][j & 1] = j < 2 ? p1 : _mm256_add_epi32(s[t][1][j & 1], p1);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 16 * h)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 32 + 16 * h)));
         for (int t = 0; t < T; ++t) {
-          const uint8_t* xr = xq + t * stride;
-          const int32_t* xb = reinterpret_cast<const int32_t*>(xr + 32 * b);
-          const float* xs = reinterpret_cast<const float*>(xr + K);
-          auto prod = [&](int j) {  // |q| times x with q's sign, pairs into int16, then into int32
-            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xb[j]), wv[j]);
-            return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), sx), ones);
-          };
-          __m256i s0 = prod(0), s1 = prod(1);
-          for (int j = 2; j < 8; j += 2) {
-            s0 = _mm256_add_epi32(s0, prod(j));
-            s1 = _mm256_add_epi32(s1, prod(j + 1));
-          }
+          const float* xs = reinterpret_cast<const float*>(xq + t * stride + K);
           const int32_t* qs = reinterpret_cast<const int32_t*>(xs + 2 * nb);
-          const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * qs[b]));
+          const __m256i isum =
+              _mm256_add_epi32(_mm256_add_epi32(s[t][h][0], s[t][h][1]), _mm256_set1_epi32(128 * qs[b]));
           const __m256 sum = _mm256_cvtepi32_ps(isum);
-          acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t]);
-          acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t]);
+          acc[t][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t][h]);
+          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t][h]);
         }
       }
-      for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * N + n + 8 * h, acc[t]);
     }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + t * N + n + 8 * h, acc[t][h]);
   }
+}
+
+// T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1).
+template <bool Q4, int T>
+void qx_block(const float* xq_as_float, const float* w_as_float, const float*, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(xq_as_float);  // BlockFn's signature; really bytes
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);
+  if constexpr (Q4)
+    qx_q41_block<T>(xq, w, y, K, N, n0, n1);
+  else
+    qx_q80_block<T>(xq, w, y, K, N, n0, n1);
 }
