@@ -218,7 +218,7 @@ template <int T>
 void i8_block(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 
 // ---------------------------------------------------------------- GGUF blocks x int8 rows (AVX2)
-// The AVX-512 header's qx kernels on 8 of a group's 16 columns at a time, with the same layout,
+// The AVX-512 header's qx kernels on a group's 16 columns as two halves of 8, with the same layout,
 // the same integers and the same float32 operations in the same order, so the results are bit for
 // bit the AVX512-VNNI kernel's. Without vpdpbusd, vpmaddubsw multiplies unsigned by signed bytes and
 // adds pairs into int16 (saturating), and vpmaddwd by ones adds pairs of those into int32. Q4_1:
@@ -262,113 +262,82 @@ inline void qx_quantize(const float* x, int64_t M, int64_t K, uint8_t* out) {
   }
 }
 
-// Q4_1: T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1),
-// both 8-column halves of a group in one pass over its block, so each broadcast of 4 bytes of x feeds
-// two vpmaddubsw (Zen 3 issues a broadcast from memory on a vector pipe too). The int16 sums are
-// exact in any order (see above), and each output's float32 operations are the same, in the same
-// order, as the one-half-at-a-time loop's, so the result is bit for bit the same. Measured on the
-// Zen 3 VM (one thread, 200 [T, 576] x [576, 1536] products from memory, a standalone harness):
-// 1 to 4 rows 5%, 4%, 11% and 11% faster than a half at a time.
-template <int T>
-void qx_q41_block(const uint8_t* xq, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int64_t GB = qx_group_bytes(true), WB = GB - 64;
-  const int64_t nb = K / 32, stride = qx_row_bytes(K);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t n = n0; n < n1; n += kQxCols) {
-    const uint8_t* wg = w + (n / kQxCols) * nb * GB;
-    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
-    __m256 acc[T][2];
-    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* wb = wg + b * GB;
-      __m256i s16[T][2];  // [row][half]: the block's 8 products of 4 bytes, summed in int16
-      for (int p = 0; p < 4; ++p) {  // 64 bytes: half 0's then half 1's nibbles of vectors 2p and 2p + 1
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p + 32));
-        const __m256i w00 = _mm256_and_si256(v0, low4), w01 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-        const __m256i w10 = _mm256_and_si256(v1, low4), w11 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-        for (int t = 0; t < T; ++t) {
-          const int32_t* xb = reinterpret_cast<const int32_t*>(xq + t * stride + 32 * b);
-          const __m256i b0 = _mm256_set1_epi32(xb[2 * p]), b1 = _mm256_set1_epi32(xb[2 * p + 1]);
-          const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, b0), _mm256_maddubs_epi16(w01, b1));
-          const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(w10, b0), _mm256_maddubs_epi16(w11, b1));
-          s16[t][0] = p ? _mm256_add_epi16(s16[t][0], a0) : a0;
-          s16[t][1] = p ? _mm256_add_epi16(s16[t][1], a1) : a1;
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 16 * h)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 32 + 16 * h)));
-        for (int t = 0; t < T; ++t) {
-          const float* xs = reinterpret_cast<const float*>(xq + t * stride + K);
-          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t][h], ones));
-          acc[t][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t][h]);
-          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t][h]);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + t * N + n + 8 * h, acc[t][h]);
-  }
-}
-
-// Q8_0: the same single pass over a group's block for both halves; per row and half, |q| times x
-// carrying q's sign, even and odd vectors summed apart in int32 (then the two), as before the pass was
-// shared. Measured as above (120 products, from memory): 2 to 4 rows 14-19% faster, 1 row 5%.
-template <int T>
-void qx_q80_block(const uint8_t* xq, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int64_t GB = qx_group_bytes(false), WB = GB - 64;
-  const int64_t nb = K / 32, stride = qx_row_bytes(K);
-  const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-  for (int64_t n = n0; n < n1; n += kQxCols) {
-    const uint8_t* wg = w + (n / kQxCols) * nb * GB;
-    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
-    __m256 acc[T][2];
-    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* wb = wg + b * GB;
-      __m256i s[T][2][2];  // [row][half][even/odd j]: int32 sums, as the one-half loop's s0 / s1
-      for (int j = 0; j < 8; ++j) {
-        const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j)), bias);
-        const __m256i q1 =
-            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32)), bias);
-        const __m256i a0 = _mm256_abs_epi8(q0), a1 = _mm256_abs_epi8(q1);
-        for (int t = 0; t < T; ++t) {
-          const int32_t* xb = reinterpret_cast<const int32_t*>(xq + t * stride + 32 * b);
-          const __m256i bx = _mm256_set1_epi32(xb[j]);
-          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(bx, q0)), ones);
-          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(bx, q1)), ones);
-          s[t][0][j & 1] = j < 2 ? p0 : _mm256_add_epi32(s[t][0][j & 1], p0);
-          s[t][1][j & 1] = j < 2 ? p1 : _mm256_add_epi32(s[t][1][j & 1], p1);
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 16 * h)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 32 + 16 * h)));
-        for (int t = 0; t < T; ++t) {
-          const float* xs = reinterpret_cast<const float*>(xq + t * stride + K);
-          const int32_t* qs = reinterpret_cast<const int32_t*>(xs + 2 * nb);
-          const __m256i isum =
-              _mm256_add_epi32(_mm256_add_epi32(s[t][h][0], s[t][h][1]), _mm256_set1_epi32(128 * qs[b]));
-          const __m256 sum = _mm256_cvtepi32_ps(isum);
-          acc[t][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t][h]);
-          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t][h]);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + t * N + n + 8 * h, acc[t][h]);
-  }
-}
-
-// T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1).
+// T quantised rows (qx_quantize's layout, passed as x) against the 16-column groups of [n0, n1): both
+// 8-column halves of a group in one pass over its block, so each broadcast of 4 bytes of x feeds both
+// halves' products (Zen 3 issues a broadcast from memory on a vector pipe, which these products are
+// bound by). The integer sums are exact in any order (above), and each output's float32 operations
+// are the same, in the same order, as when the halves took a pass each (before stop 58), so the
+// results are bit for bit the same. Measured on the Zen 3 VM (one thread, [T, 576] x [576, 1536]
+// products from memory, a standalone harness), against a pass per half: Q4_1 5%, 4%, 11%, 11%
+// faster for 1 to 4 rows, Q8_0 5%, 17%, 14%, 19%.
 template <bool Q4, int T>
 void qx_block(const float* xq_as_float, const float* w_as_float, const float*, float* y, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
   const uint8_t* xq = reinterpret_cast<const uint8_t*>(xq_as_float);  // BlockFn's signature; really bytes
   const uint8_t* w = reinterpret_cast<const uint8_t*>(w_as_float);
-  if constexpr (Q4)
-    qx_q41_block<T>(xq, w, y, K, N, n0, n1);
-  else
-    qx_q80_block<T>(xq, w, y, K, N, n0, n1);
+  constexpr int64_t GB = qx_group_bytes(Q4), WB = GB - 64;
+  const int64_t nb = K / 32, stride = qx_row_bytes(K);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += kQxCols) {
+    const uint8_t* wg = w + (n / kQxCols) * nb * GB;
+    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = wg + b * GB;
+      __m256i isum[T][2];  // [row][half]: the block's integer dot products, 8 columns a vector
+      if constexpr (Q4) {
+        __m256i s16[T][2];  // the 8 products of 4 bytes, summed in int16
+        for (int p = 0; p < 4; ++p) {  // 64 bytes: half 0's, then half 1's nibbles of vectors 2p and 2p + 1
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p + 32));
+          const __m256i w00 = _mm256_and_si256(v0, low4), w01 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+          const __m256i w10 = _mm256_and_si256(v1, low4), w11 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+          for (int t = 0; t < T; ++t) {
+            const int32_t* xb = reinterpret_cast<const int32_t*>(xq + t * stride + 32 * b);
+            const __m256i b0 = _mm256_set1_epi32(xb[2 * p]), b1 = _mm256_set1_epi32(xb[2 * p + 1]);
+            const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, b0), _mm256_maddubs_epi16(w01, b1));
+            const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(w10, b0), _mm256_maddubs_epi16(w11, b1));
+            s16[t][0] = p ? _mm256_add_epi16(s16[t][0], a0) : a0;
+            s16[t][1] = p ? _mm256_add_epi16(s16[t][1], a1) : a1;
+          }
+        }
+        for (int t = 0; t < T; ++t)
+          for (int h = 0; h < 2; ++h) isum[t][h] = _mm256_madd_epi16(s16[t][h], ones);
+      } else {
+        __m256i s32[T][2][2];  // [row][half][even / odd vector]: |q| times x carrying q's sign, in int32
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j)), bias);
+          const __m256i q1 =
+              _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32)), bias);
+          const __m256i a0 = _mm256_abs_epi8(q0), a1 = _mm256_abs_epi8(q1);
+          for (int t = 0; t < T; ++t) {
+            const int32_t* xb = reinterpret_cast<const int32_t*>(xq + t * stride + 32 * b);
+            const __m256i bx = _mm256_set1_epi32(xb[j]);
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(bx, q0)), ones);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(bx, q1)), ones);
+            s32[t][0][j & 1] = j < 2 ? p0 : _mm256_add_epi32(s32[t][0][j & 1], p0);
+            s32[t][1][j & 1] = j < 2 ? p1 : _mm256_add_epi32(s32[t][1][j & 1], p1);
+          }
+        }
+        for (int t = 0; t < T; ++t) {
+          const int32_t* qs = reinterpret_cast<const int32_t*>(xq + t * stride + K) + 2 * nb;  // 128 sum(x)
+          for (int h = 0; h < 2; ++h)
+            isum[t][h] = _mm256_add_epi32(_mm256_add_epi32(s32[t][h][0], s32[t][h][1]), _mm256_set1_epi32(128 * qs[b]));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + WB + 32 + 16 * h)));
+        for (int t = 0; t < T; ++t) {
+          const float* xs = reinterpret_cast<const float*>(xq + t * stride + K);
+          const __m256 sum = _mm256_cvtepi32_ps(isum[t][h]);
+          acc[t][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xs[b])), acc[t][h]);
+          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[nb + b]), acc[t][h]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + t * N + n + 8 * h, acc[t][h]);
+  }
 }

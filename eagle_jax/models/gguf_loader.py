@@ -144,7 +144,7 @@ class GGUFModel:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(f"GGUF architecture {self.architecture!r} in {self.path.name} is not supported "
                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        self._tensors = {}  # hf name → ReaderTensor
+        self._tensors = {}  # hf name → tensor (a GGUFIndex Tensor, or a GGUFReader ReaderTensor)
         self._gguf_names = {}  # hf name → gguf name
         rope_freqs = None
         for t in self._reader.tensors:
