@@ -28,10 +28,9 @@ GGUF_MAGIC = 0x46554747  # "GGUF" read as a little-endian u32
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
-# GGUF metadata value types → struct format of one scalar (8: string, 9: array)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+# GGUF metadata value types → the little-endian numpy type of one scalar (8: string, 9: array)
+_SCALARS = {t: np.dtype(d) for t, d in {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
+                                         7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}.items()}
 STRING, ARRAY = 8, 9
 
 # ggml tensor types stored as plain numpy elements (GGUFReader's choice); every other type is
@@ -56,14 +55,14 @@ class Field:
         if self.value_type == STRING:
             return _read_string(self._buf, self._offset)[0]
         if self.value_type != ARRAY:
-            return struct.unpack_from("<" + _SCALARS[self.value_type], self._buf, self._offset)[0]
+            return np.frombuffer(self._buf, _SCALARS[self.value_type], 1, self._offset)[0].item()
         if self.item_type == STRING:
             out, offs = [], self._offset
             for _ in range(self.count):
                 s, offs = _read_string(self._buf, offs)
                 out.append(s)
             return out
-        return np.frombuffer(self._buf, _NUMPY[self.item_type], self.count, self._offset).tolist()
+        return np.frombuffer(self._buf, _SCALARS[self.item_type], self.count, self._offset).tolist()
 
 
 class Tensor(NamedTuple):
@@ -131,12 +130,12 @@ class GGUFIndex:
                     offs = _skip_strings(buf, offs, count)
                 elif item in _SCALARS:
                     self.fields[key] = Field(buf, ARRAY, offs, count, item)
-                    offs += count * struct.calcsize("<" + _SCALARS[item])
+                    offs += count * _SCALARS[item].itemsize
                 else:
                     raise UnsupportedGGUF(f"metadata {key!r} is an array of value type {item}")
             elif vtype in _SCALARS:
                 self.fields[key] = Field(buf, vtype, offs)
-                offs += struct.calcsize("<" + _SCALARS[vtype])
+                offs += _SCALARS[vtype].itemsize
             else:
                 raise UnsupportedGGUF(f"metadata {key!r} has unknown value type {vtype}")
         table = []
