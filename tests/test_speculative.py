@@ -167,6 +167,29 @@ def test_greedy_speculative_with_unrolled_target_layers(tiny_llama, head_name, r
     assert _rows(out, lens) == _rows(ref, lens)
 
 
+@pytest.mark.parametrize("head_name", ["oracle", "eagle3-random"])
+def test_greedy_speculative_up_to_the_end_of_the_buffer(tiny_llama, head_name, rng):
+    """Rows that run into the end of their token buffer: the last steps' trees, draft levels and
+    re-feeds go to the caches' last slots, which `_start` sizes the caches for (with too little
+    room their keys would be lost). The same tokens as plain greedy, and the same acceptance as
+    when the budget, not the buffer, stops them: the drafts at the end are what they are anywhere
+    else."""
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)[head_name]
+    prompts = [list(rng.integers(3, cfg.vocab_size, 22)) for _ in range(3)]
+    ref, lens = _run(generate_tokens, params, cfg, prompts, 60, cache_len=40)
+    assert [int(x) for x in ref.length] == [40] * 3  # every row stopped by the buffer, not the budget
+    chain = TreeBudget("dynamic", total_tokens=8, depth=6, top_k=1)  # the oracle's steps: 23, 31, 39 (cut)
+    for budget in (DYNAMIC, chain, TreeBudget("dynamic", total_tokens=3, depth=1, top_k=2)):
+        out, _ = _run(speculative_generate, params, cfg, prompts, 60, cache_len=40, head=head, budget=budget)
+        roomy, _ = _run(speculative_generate, params, cfg, prompts, 40 - 22, cache_len=96, head=head, budget=budget)
+        assert _rows(out, lens) == _rows(roomy, lens) == _rows(ref, lens)
+        steps = int(out.steps)
+        assert steps == int(roomy.steps)
+        np.testing.assert_array_equal(np.asarray(out.accept_lengths)[:, :steps],
+                                      np.asarray(roomy.accept_lengths)[:, :steps])
+
+
 def test_eos_inside_an_accepted_run_stops_there(tiny_llama):
     _, cfg, params = tiny_llama
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
