@@ -14,7 +14,8 @@ The last stdout line is `{"methods": {name: {"tokens_per_s", "tau", "new_tokens"
 "accept_length_histogram", "alpha", "time_split", ...}},
 "sets": {set: {name: {...}}}, "machine": {...}, "settings": {...}, "autotune": {...}}` ("methods"
 pools every set). Markdown tables go to stderr (and to --markdown FILE), PNG plots to --plots DIR.
-`time_split` times a speculative step's drafting and verification separately (step_profile.py).
+`time_split` times a speculative step's drafting and verification separately, each as it costs inside
+the decoding program, without a call's own cost (step_profile.py).
 Each prompt is also decoded to one token (not with --no-first-token): `first_token_s` is that
 run's mean time (prefill + first token), and `loop_tokens_per_s` the tokens after the first over
 the full runs' time beyond it — the decoding loop alone, which the prefill does not dilute

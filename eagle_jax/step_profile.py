@@ -4,15 +4,19 @@ One speculative step is a single jitted computation (draft → verify → accept
 parts cannot be timed from inside. `profile_spec_step` times them as separate jitted programs on
 a real state (after the prompt's prefill) — the drafting alone (`propose_tree`: the head's tree
 and any prompt-lookup chain), the verification alone (the target's pass over the padded tree,
-logits included) and the whole step (`spec_advance` by one step) — each the median of `reps` runs
-after a warm-up. `other_ms` is the whole step minus the two parts (acceptance, the KV commit,
-re-feeding the head, dispatch); it is a difference of medians, so it can come out slightly
-negative on a noisy machine. `plain_ms` is one plain decoding step (`decode_advance` by one
-token) on the same prompt, its runs alternated with the whole step's. `step_over_plain` is the
-median of the ratios of each step's run to the plain run right after it, which holds while a
-shared machine's speed drifts (autotuning ranks trees by it). Over ten profiles of one tree on
-the Zen 1 VM its standard deviation was 0.049 against 0.056 for `step_ms / plain_ms` (quiet), and
-0.12 against 0.16 with the test suite running beside them.
+logits included) and the whole step (`spec_advance`) — and a plain decoding step
+(`decode_advance`) on the same prompt. `other_ms` is the whole step minus the two parts
+(acceptance, the KV commit, re-feeding the head).
+
+Each program runs its part n times in a row inside one call (n dynamic: one compile), and a part's
+time is that of 1 + `LOOP` runs minus that of one run, divided by `LOOP`: the cost inside a
+decoding program, without a call's own cost. That cost is not small on the CPU: a call passes the
+target's ≈ 600 parameter arrays (unrolled layers) to XLA, ≈ 0.7 ms on the 2-core Zen 3 VM, and
+before stop 59 every part carried it once, so the split showed EAGLE-3's drafting at 2.8 ms where
+it costs 1.1 ms inside the step, and `other_ms` came out negative. Each figure is the median of
+`reps` such differences; `step_over_plain` is the median of the ratios of each step's difference
+to the plain step's right after it, which holds while a shared machine's speed drifts
+(autotuning ranks trees by it).
 
     split = profile_spec_step(engine, "eagle3", engine.encode("Hi"))
     split["draft_ms"], split["verify_ms"], split["step_ms"]
@@ -35,40 +39,64 @@ from .models.config import ModelConfig
 from .speculative import propose_tree, spec_advance, spec_start, verify_tree
 
 
+LOOP = 8  # extra runs of a part inside one call (module doc)
+
+
+def _opaque_zero(x, dtype):
+    """0 in practice, computed from `x` so that the compiler can neither fold it nor hoist the next
+    run of a looped part out of the loop (no tree sums its token ids to -7)."""
+    return (jnp.sum(x) == -7).astype(dtype)
+
+
 @functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget"))
-def _draft(target_params, tcfg: ModelConfig, head, state, budget: TreeBudget):
-    return propose_tree(head, target_params, tcfg, state, budget)
+def _draft(target_params, tcfg: ModelConfig, head, state, budget: TreeBudget, n):
+    """The step's drafting `n` times in a row (dynamic n >= 1); the last tree."""
+    draft = lambda st: propose_tree(head, target_params, tcfg, st, budget)
+    again = lambda _, tree: draft(state._replace(h_root=state.h_root + _opaque_zero(tree.tokens_bn,
+                                                                                      state.h_root.dtype)))
+    return jax.lax.fori_loop(1, n, again, draft(state))
 
 
 @functools.partial(cpu_stable_jit, static_argnames=("tcfg", "depth"))
-def _verify(target_params, tcfg: ModelConfig, head, state, tree, depth: int):
-    out, logits = verify_tree(target_params, tcfg, head, state.tcache, tree, depth)
-    return logits, out.captured
+def _verify(target_params, tcfg: ModelConfig, head, state, tree, depth: int, n):
+    """The target's pass over `tree` `n` times in a row (dynamic n >= 1); the last logits and features."""
+    def verify(tokens_bn):
+        out, logits = verify_tree(target_params, tcfg, head, state.tcache, tree._replace(tokens_bn=tokens_bn), depth)
+        return logits, out.captured
+
+    again = lambda _, res: verify(tree.tokens_bn + _opaque_zero(res[0][:, :, 0], tree.tokens_bn.dtype))
+    return jax.lax.fori_loop(1, n, again, verify(tree.tokens_bn))
 
 
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())  # warm-up: compile, first-touch
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def _time(fn) -> float:
+    """Seconds of one call of `fn` (to its results)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
 
 
-def _paired_median_ms(fn_a, fn_b, reps: int) -> tuple[float, float, float]:
-    """Medians of `reps` runs of two programs, their runs alternated (after one warm-up each), and
-    the median of the ratios a / b of each run of a to the run of b right after it. A ratio of two
-    back-to-back runs cancels a shared machine's drift, which a ratio of the two medians does not
-    when the machine changes speed part way through (the medians may come from different speeds)."""
-    jax.block_until_ready(fn_a())
-    jax.block_until_ready(fn_b())
+def _loop_seconds(fn, extra: int = LOOP) -> float:
+    """Seconds of one run of a part inside a call: `fn(n)` runs it n times; (1 + extra runs − 1 run) / extra."""
+    return (_time(lambda: fn(1 + extra)) - _time(lambda: fn(1))) / extra
+
+
+def _median_ms(fn, reps: int, timer=_time) -> float:
+    timer(fn)  # warm-up: compile, first-touch
+    return 1e3 * statistics.median(timer(fn) for _ in range(reps))
+
+
+def _paired_median_ms(fn_a, fn_b, reps: int, timer=_time) -> tuple[float, float, float]:
+    """Medians of `reps` timings (`timer`: seconds of `fn`) of two programs, alternated (after one
+    warm-up each), and the median of the ratios a / b of each timing of a to the one of b right after
+    it. A ratio of two back-to-back timings cancels a shared machine's drift, which a ratio of the
+    two medians does not when the machine changes speed part way through (the medians may come from
+    different speeds)."""
+    timer(fn_a)
+    timer(fn_b)
     times = ([], [])
     for _ in range(reps):
         for fn, out in ((fn_a, times[0]), (fn_b, times[1])):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            out.append(time.perf_counter() - t0)
+            out.append(timer(fn))
     ratio = statistics.median(a / b for a, b in zip(*times) if b > 0) if any(times[1]) else float("nan")
     return 1e3 * statistics.median(times[0]), 1e3 * statistics.median(times[1]), ratio
 
@@ -84,24 +112,28 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
         raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
     budget = budget or engine.budgets[method]
     head = engine.heads[method]
-    _, args = engine._request(prompt_ids, 64, temperature, top_p, top_k, 0, cache_len, method)
+    room = (1 + LOOP) * (budget.max_depth + 1) + 8  # every looped step accepts a whole path and goes on
+    _, args = engine._request(prompt_ids, max(64, room), temperature, top_p, top_k, 0, cache_len, method)
+    args = (*args[:3], jnp.asarray([-1], jnp.int32), *args[4:])  # no EOS: no looped run stops early
     state = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
-    tree = _draft(engine.params, engine.cfg, head, state, budget)
-    draft_ms = _median_ms(lambda: _draft(engine.params, engine.cfg, head, state, budget), reps)
-    verify_ms = _median_ms(lambda: _verify(engine.params, engine.cfg, head, state, tree, budget.max_depth), reps)
+    tree = _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(1))
+    draft_ms = _median_ms(lambda n: _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(n)), reps,
+                          _loop_seconds)
+    verify_ms = _median_ms(lambda n: _verify(engine.params, engine.cfg, head, state, tree, budget.max_depth,
+                                             jnp.int32(n)), reps, _loop_seconds)
 
-    def one_step():  # spec_advance donates its state: give it a fresh copy (copied before the clock starts)
+    def steps(n):  # spec_advance donates its state: give it a fresh copy (copied before the clock starts)
         return spec_advance(engine.params, engine.cfg, head, fresh.pop(), *args[2:], budget=budget,
-                            n_steps=jnp.int32(1))
+                            n_steps=jnp.int32(n))
 
-    def plain_step():  # decode_advance donates its state too
-        return decode_advance(engine.params, engine.cfg, plain.pop(), *args[2:], n_steps=jnp.int32(1))
+    def plain_steps(n):  # decode_advance donates its state too
+        return decode_advance(engine.params, engine.cfg, plain.pop(), *args[2:], n_steps=jnp.int32(n))
 
-    fresh = [jax.tree.map(jnp.copy, state) for _ in range(reps + 1)]
+    fresh = [jax.tree.map(jnp.copy, state) for _ in range(2 * reps + 2)]
     start = decode_start(engine.params, engine.cfg, *args, prefill_chunk=engine.prefill_chunk)
-    plain = [jax.tree.map(jnp.copy, start) for _ in range(reps + 1)]
+    plain = [jax.tree.map(jnp.copy, start) for _ in range(2 * reps + 2)]
     jax.block_until_ready((fresh, plain))
-    step_ms, plain_ms, step_over_plain = _paired_median_ms(one_step, plain_step, reps)
+    step_ms, plain_ms, step_over_plain = _paired_median_ms(steps, plain_steps, reps, _loop_seconds)
     return {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms,
             "other_ms": step_ms - draft_ms - verify_ms, "plain_ms": plain_ms, "step_over_plain": step_over_plain,
             "draft_frac": draft_ms / step_ms, "verify_frac": verify_ms / step_ms, "tree_tokens": budget.num_nodes}

@@ -4,6 +4,9 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eagle_jax
@@ -463,6 +466,60 @@ def test_paired_timing_ratio_is_per_pair(monkeypatch):
     ma, mb, ratio = step_profile._paired_median_ms(run, run, 5)
     assert (ma, mb) == (2e3, 2e3)  # medians of [2, 2, 2, 4, 4] and [1, 1, 2, 2, 2]: the drift hides the cost
     assert ratio == 2.0
+
+
+def test_loop_timing_subtracts_the_call(monkeypatch):
+    """A part's time is that of 1 + LOOP runs in one call minus one run, over LOOP: a call's own cost
+    (0.5 s here) drops out, a run's (0.25 s) stays; paired, the ratio is per pair of differences."""
+    from eagle_jax import step_profile
+
+    now = [0.0]
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: now[0])
+
+    def part(cost):
+        def run(n):  # a call: 0.5 s of its own, then n runs
+            now[0] += 0.5 + cost * n
+        return run
+
+    assert step_profile._loop_seconds(part(0.25)) == pytest.approx(0.25)
+    assert step_profile._median_ms(part(0.25), 3, step_profile._loop_seconds) == pytest.approx(250)
+    a, b, ratio = step_profile._paired_median_ms(part(0.3), part(0.1), 3, step_profile._loop_seconds)
+    assert (a, b, ratio) == (pytest.approx(300), pytest.approx(100), pytest.approx(3.0))
+
+
+def test_looped_parts_run_n_times_and_give_one_runs_result(tiny_hf_dir, monkeypatch):
+    """`_draft` / `_verify` with n runs: n drafts (counted from inside the program), and the tree and
+    logits of a single run (the nudge between runs is zero)."""
+    from eagle_jax import step_profile
+    from eagle_jax.speculative import spec_start
+
+    engine = Engine(str(tiny_hf_dir), method="eagle3", drafter="random", progress=False)
+    budget, head = engine.budgets["eagle3"], engine.heads["eagle3"]
+    _, args = engine._request(engine.encode("w5 w6 w7"), 16, 0.0, 1.0, 0, 0, None, "eagle3")
+    state = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
+    runs, propose = [], step_profile.propose_tree
+
+    def counted(*a):
+        jax.debug.callback(lambda: runs.append(1), ordered=False)
+        return propose(*a)
+
+    monkeypatch.setattr(step_profile, "propose_tree", counted)
+    step_profile._draft.clear_cache()
+    try:
+        one = step_profile._draft(engine.params, engine.cfg, head, state, budget, jnp.int32(1))
+        jax.effects_barrier()
+        assert len(runs) == 1
+        four = step_profile._draft(engine.params, engine.cfg, head, state, budget, jnp.int32(4))
+        jax.effects_barrier()
+        assert len(runs) == 5
+    finally:
+        step_profile._draft.clear_cache()
+    for x, y in zip(one, four):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    v1, v3 = (step_profile._verify(engine.params, engine.cfg, head, state, one, budget.max_depth, jnp.int32(n))
+              for n in (1, 3))
+    for x, y in zip(jax.tree.leaves(v1), jax.tree.leaves(v3)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_matmul_microbenchmark_times_every_row_kind(capsys):
