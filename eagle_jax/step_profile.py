@@ -8,12 +8,15 @@ logits included) and the whole step (`spec_advance`) — and a plain decoding st
 (`decode_advance`) on the same prompt. `other_ms` is the whole step minus the two parts
 (acceptance, the KV commit, re-feeding the head).
 
-Each program runs its part n times in a row inside one call (n dynamic: one compile), and a part's
-time is that of 1 + `LOOP` runs minus that of one run, divided by `LOOP`: the cost inside a
-decoding program, without a call's own cost. That cost is not small on the CPU: a call passes the
-target's ≈ 600 parameter arrays (unrolled layers) to XLA, ≈ 0.7 ms on the 2-core Zen 3 VM, and
-before stop 59 every part carried it once, so the split showed EAGLE-3's drafting at 2.8 ms where
-it costs 1.1 ms inside the step, and `other_ms` came out negative. Each figure is the median of
+Each program runs its part n times in a row inside one call (n dynamic: one compile), every run
+on inputs nudged by an opaque zero from the run before (so that the compiler hoists nothing out of
+the loop) and, for verification, on the cache the run before wrote. A part's time is that of
+1 + `LOOP` runs minus that of one run, divided by `LOOP`: the cost inside a decoding program,
+without a call's own cost. That cost is not small on the CPU: a call passes the target's 393
+parameter arrays (unrolled layers) to XLA (≈ 0.5 ms on the 2-core Zen 3 VM) and copies the caches
+it does not own (a few ms). Before stop 59 every part carried it once, so the split showed
+EAGLE-3's drafting at 2.8 ms where it costs about 1.5 ms inside the step, and `other_ms` came out
+negative. Each figure is the median of
 `reps` such differences; `step_over_plain` is the median of the ratios of each step's difference
 to the plain step's right after it, which holds while a shared machine's speed drifts
 (autotuning ranks trees by it).
@@ -43,29 +46,47 @@ LOOP = 8  # extra runs of a part inside one call (module doc)
 
 
 def _opaque_zero(x, dtype):
-    """0 in practice, computed from `x` so that the compiler can neither fold it nor hoist the next
-    run of a looped part out of the loop (no tree sums its token ids to -7)."""
+    """0 in practice, computed from `x` so that the compiler can fold nothing away (no tree sums its
+    token ids to -7, no logits sum to it)."""
     return (jnp.sum(x) == -7).astype(dtype)
+
+
+def _nudged(state, z):
+    """`state` with every input of a draft shifted by the opaque zero `z` of the run before: the next
+    run depends on it, so the compiler can hoist no part of it (masks, positions) out of the loop."""
+    dcache = state.dcache.advance(z.astype(state.dcache.length.dtype))
+    return state._replace(h_root=state.h_root + z.astype(state.h_root.dtype), root=state.root + z.astype(state.root.dtype),
+                          dcache=dcache, length=state.length + z.astype(state.length.dtype))
 
 
 @functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget"))
 def _draft(target_params, tcfg: ModelConfig, head, state, budget: TreeBudget, n):
     """The step's drafting `n` times in a row (dynamic n >= 1); the last tree."""
     draft = lambda st: propose_tree(head, target_params, tcfg, st, budget)
-    again = lambda _, tree: draft(state._replace(h_root=state.h_root + _opaque_zero(tree.tokens_bn,
-                                                                                      state.h_root.dtype)))
-    return jax.lax.fori_loop(1, n, again, draft(state))
+
+    def again(_, carry):
+        st, tree = carry
+        st = _nudged(st, _opaque_zero(tree.tokens_bn, jnp.int32))
+        return st, draft(st)
+
+    return jax.lax.fori_loop(1, n, again, (state, draft(state)))[1]
 
 
 @functools.partial(cpu_stable_jit, static_argnames=("tcfg", "depth"))
 def _verify(target_params, tcfg: ModelConfig, head, state, tree, depth: int, n):
-    """The target's pass over `tree` `n` times in a row (dynamic n >= 1); the last logits and features."""
-    def verify(tokens_bn):
-        out, logits = verify_tree(target_params, tcfg, head, state.tcache, tree._replace(tokens_bn=tokens_bn), depth)
-        return logits, out.captured
+    """The target's pass over `tree` `n` times in a row (dynamic n >= 1), each on the cache the one
+    before wrote (the same slots: nothing copied, as in a step); the last logits and features."""
+    def verify(tcache, tree):
+        out, logits = verify_tree(target_params, tcfg, head, tcache, tree, depth)
+        return out.cache, tree, logits, out.captured
 
-    again = lambda _, res: verify(tree.tokens_bn + _opaque_zero(res[0][:, :, 0], tree.tokens_bn.dtype))
-    return jax.lax.fori_loop(1, n, again, verify(tree.tokens_bn))
+    def again(_, carry):
+        tcache, tree, logits, _ = carry
+        z = _opaque_zero(logits[:, :, 0], jnp.int32)
+        tree = tree._replace(tokens_bn=tree.tokens_bn + z, parents_bn=tree.parents_bn + z)
+        return verify(tcache.advance(z), tree)
+
+    return jax.lax.fori_loop(1, n, again, verify(state.tcache, tree))[2:]
 
 
 def _time(fn) -> float:
