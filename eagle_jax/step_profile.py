@@ -16,10 +16,10 @@ without a call's own cost. That cost is not small on the CPU: a call passes the 
 parameter arrays (unrolled layers) to XLA (≈ 0.5 ms on the 2-core Zen 3 VM) and copies the caches
 it does not own (a few ms). Before stop 59 every part carried it once, so the split showed
 EAGLE-3's drafting at 2.8 ms where it costs about 1.5 ms inside the step, and `other_ms` came out
-negative. Each figure is the median of
-`reps` such differences; `step_over_plain` is the median of the ratios of each step's difference
-to the plain step's right after it, which holds while a shared machine's speed drifts
-(autotuning ranks trees by it).
+negative. The four programs are timed in turns, `reps` rounds (so that a shared machine's drift
+moves them together), and each figure is the median of its `reps` differences; `step_over_plain`
+is the median of the ratios of each round's step to its plain step, which holds while the
+machine's speed drifts (autotuning ranks trees by it).
 
     split = profile_spec_step(engine, "eagle3", engine.encode("Hi"))
     split["draft_ms"], split["verify_ms"], split["step_ms"]
@@ -101,9 +101,12 @@ def _loop_seconds(fn, extra: int = LOOP) -> float:
     return (_time(lambda: fn(1 + extra)) - _time(lambda: fn(1))) / extra
 
 
-def _median_ms(fn, reps: int, timer=_time) -> float:
-    timer(fn)  # warm-up: compile, first-touch
-    return 1e3 * statistics.median(timer(fn) for _ in range(reps))
+def _in_turns(fns, reps: int, timer=_time) -> list[list[float]]:
+    """Seconds of `reps` rounds in which every program of `fns` is timed once, in order (after one
+    warm-up each): [[round 1's timings], ...]. Programs timed in turns share the machine's drift."""
+    for fn in fns:
+        timer(fn)  # warm-up: compile, first-touch
+    return [[timer(fn) for fn in fns] for _ in range(reps)]
 
 
 def _paired_median_ms(fn_a, fn_b, reps: int, timer=_time) -> tuple[float, float, float]:
@@ -112,14 +115,9 @@ def _paired_median_ms(fn_a, fn_b, reps: int, timer=_time) -> tuple[float, float,
     it. A ratio of two back-to-back timings cancels a shared machine's drift, which a ratio of the
     two medians does not when the machine changes speed part way through (the medians may come from
     different speeds)."""
-    timer(fn_a)
-    timer(fn_b)
-    times = ([], [])
-    for _ in range(reps):
-        for fn, out in ((fn_a, times[0]), (fn_b, times[1])):
-            out.append(timer(fn))
-    ratio = statistics.median(a / b for a, b in zip(*times) if b > 0) if any(times[1]) else float("nan")
-    return 1e3 * statistics.median(times[0]), 1e3 * statistics.median(times[1]), ratio
+    a, b = zip(*_in_turns((fn_a, fn_b), reps, timer))
+    ratio = statistics.median(x / y for x, y in zip(a, b) if y > 0) if any(b) else float("nan")
+    return 1e3 * statistics.median(a), 1e3 * statistics.median(b), ratio
 
 
 def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Optional[TreeBudget] = None,
@@ -138,10 +136,8 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
     args = (*args[:3], jnp.asarray([-1], jnp.int32), *args[4:])  # no EOS: no looped run stops early
     state = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
     tree = _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(1))
-    draft_ms = _median_ms(lambda n: _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(n)), reps,
-                          _loop_seconds)
-    verify_ms = _median_ms(lambda n: _verify(engine.params, engine.cfg, head, state, tree, budget.max_depth,
-                                             jnp.int32(n)), reps, _loop_seconds)
+    draft = lambda n: _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(n))
+    verify = lambda n: _verify(engine.params, engine.cfg, head, state, tree, budget.max_depth, jnp.int32(n))
 
     def steps(n):  # spec_advance donates its state: give it a fresh copy (copied before the clock starts)
         return spec_advance(engine.params, engine.cfg, head, fresh.pop(), *args[2:], budget=budget,
@@ -154,7 +150,9 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
     start = decode_start(engine.params, engine.cfg, *args, prefill_chunk=engine.prefill_chunk)
     plain = [jax.tree.map(jnp.copy, start) for _ in range(2 * reps + 2)]
     jax.block_until_ready((fresh, plain))
-    step_ms, plain_ms, step_over_plain = _paired_median_ms(steps, plain_steps, reps, _loop_seconds)
+    rounds = _in_turns((draft, verify, steps, plain_steps), reps, _loop_seconds)
+    draft_ms, verify_ms, step_ms, plain_ms = (1e3 * statistics.median(col) for col in zip(*rounds))
+    step_over_plain = statistics.median(r[2] / r[3] for r in rounds if r[3] > 0) if rounds else float("nan")
     return {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms,
             "other_ms": step_ms - draft_ms - verify_ms, "plain_ms": plain_ms, "step_over_plain": step_over_plain,
             "draft_frac": draft_ms / step_ms, "verify_frac": verify_ms / step_ms, "tree_tokens": budget.num_nodes}

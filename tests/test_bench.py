@@ -482,7 +482,8 @@ def test_loop_timing_subtracts_the_call(monkeypatch):
         return run
 
     assert step_profile._loop_seconds(part(0.25)) == pytest.approx(0.25)
-    assert step_profile._median_ms(part(0.25), 3, step_profile._loop_seconds) == pytest.approx(250)
+    rounds = step_profile._in_turns((part(0.25), part(0.1)), 3, step_profile._loop_seconds)
+    assert rounds == [[pytest.approx(0.25), pytest.approx(0.1)]] * 3
     a, b, ratio = step_profile._paired_median_ms(part(0.3), part(0.1), 3, step_profile._loop_seconds)
     assert (a, b, ratio) == (pytest.approx(300), pytest.approx(100), pytest.approx(3.0))
 
