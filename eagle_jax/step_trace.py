@@ -18,6 +18,12 @@ time is measured on its own, without the profiler.
     python -m eagle_jax.bench trace --steps 20
     python -m eagle_jax.bench trace --method eagle3 --json
 
+The profiler adds its own cost to every event, which dwarfs the smallest operations: at stop 59 a
+trace put 1.5 ms of an EAGLE-3 step in the `while` loops of its 60 KV-cache scatters, yet writing
+those keys with one `dynamic_update_slice` a row instead changed the untraced step by nothing
+measurable (timed in turns in one process: 0.997× at the 3-token tree, 1.000× at 16 tokens). So
+check any saving a trace suggests with untraced timings.
+
 Stop 52 found with it that the weight products of a plain step on the Xeon VM took 9.0 of its
 9.9 ms while streaming the blocks at 7-8 GB/s a core; prefetching them made the step 7.0 ms.
 """
