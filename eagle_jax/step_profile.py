@@ -54,9 +54,9 @@ def _opaque_zero(x, dtype):
 def _nudged(state, z):
     """`state` with every input of a draft shifted by the opaque zero `z` of the run before: the next
     run depends on it, so the compiler can hoist no part of it (masks, positions) out of the loop."""
-    dcache = state.dcache.advance(z.astype(state.dcache.length.dtype))
-    return state._replace(h_root=state.h_root + z.astype(state.h_root.dtype), root=state.root + z.astype(state.root.dtype),
-                          dcache=dcache, length=state.length + z.astype(state.length.dtype))
+    shift = lambda x: x + z.astype(x.dtype)
+    return state._replace(h_root=shift(state.h_root), root=shift(state.root), length=shift(state.length),
+                          dcache=state.dcache.replace(length=shift(state.dcache.length)))
 
 
 @functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget"))
@@ -109,15 +109,12 @@ def _in_turns(fns, reps: int, timer=_time) -> list[list[float]]:
     return [[timer(fn) for fn in fns] for _ in range(reps)]
 
 
-def _paired_median_ms(fn_a, fn_b, reps: int, timer=_time) -> tuple[float, float, float]:
-    """Medians of `reps` timings (`timer`: seconds of `fn`) of two programs, alternated (after one
-    warm-up each), and the median of the ratios a / b of each timing of a to the one of b right after
-    it. A ratio of two back-to-back timings cancels a shared machine's drift, which a ratio of the
-    two medians does not when the machine changes speed part way through (the medians may come from
-    different speeds)."""
-    a, b = zip(*_in_turns((fn_a, fn_b), reps, timer))
-    ratio = statistics.median(x / y for x, y in zip(a, b) if y > 0) if any(b) else float("nan")
-    return 1e3 * statistics.median(a), 1e3 * statistics.median(b), ratio
+def _ratio_per_round(rounds: list[list[float]], a: int, b: int) -> float:
+    """Median over the rounds of timing a ÷ timing b of the same round. A ratio of two back-to-back
+    timings cancels a shared machine's drift, which a ratio of the two medians does not when the
+    machine changes speed part way through (the medians may come from different speeds)."""
+    ratios = [r[a] / r[b] for r in rounds if r[b] > 0]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Optional[TreeBudget] = None,
@@ -152,7 +149,7 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
     jax.block_until_ready((fresh, plain))
     rounds = _in_turns((draft, verify, steps, plain_steps), reps, _loop_seconds)
     draft_ms, verify_ms, step_ms, plain_ms = (1e3 * statistics.median(col) for col in zip(*rounds))
-    step_over_plain = statistics.median(r[2] / r[3] for r in rounds if r[3] > 0) if rounds else float("nan")
+    step_over_plain = _ratio_per_round(rounds, 2, 3)
     return {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms,
             "other_ms": step_ms - draft_ms - verify_ms, "plain_ms": plain_ms, "step_over_plain": step_over_plain,
             "draft_frac": draft_ms / step_ms, "verify_frac": verify_ms / step_ms, "tree_tokens": budget.num_nodes}

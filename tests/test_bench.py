@@ -440,37 +440,38 @@ def test_finalists_timed_again_choose_by_both_timings():
     assert confirm_finalists(rows[:1], lambda i: 1 / 0, 3) == 0  # one row: nothing timed again
 
 
-def test_paired_timing_alternates_runs():
-    """The plain step autotuning divides by is timed in turns with the tree's step (one warm-up each)."""
-    from eagle_jax.step_profile import _paired_median_ms
+def test_profile_timing_goes_in_turns():
+    """The parts of a step and the plain step autotuning divides by are timed in turns, round by
+    round (one warm-up each first)."""
+    from eagle_jax.step_profile import _in_turns
 
     calls = []
-    a, b = (lambda: calls.append("a")), (lambda: calls.append("b"))
-    ma, mb, _ = _paired_median_ms(a, b, 3)
-    assert calls == ["a", "b"] + ["a", "b"] * 3 and ma >= 0 and mb >= 0
+    fns = [(lambda c=c: calls.append(c)) for c in "dvsp"]
+    rounds = _in_turns(fns, 3)
+    assert calls == list("dvsp") * 4 and len(rounds) == 3 and all(len(r) == 4 and min(r) >= 0 for r in rounds)
 
 
-def test_paired_timing_ratio_is_per_pair(monkeypatch):
-    """The step ÷ plain ratio is the median of each pair's ratio, not the ratio of the medians. Here
+def test_step_over_plain_is_per_round(monkeypatch):
+    """The step ÷ plain ratio is the median of each round's ratio, not the ratio of the medians. Here
     the step takes twice the plain step throughout, and the machine halves its speed part way
-    through the third pair: the medians are both 2 s (ratio 1), the pairs' ratios 2, 2, 1, 2, 2."""
+    through the third round: the medians are both 2 s (ratio 1), the rounds' ratios 2, 2, 1, 2, 2."""
     from eagle_jax import step_profile
 
-    durations = iter([0.0, 0.0] + [2, 1, 2, 1, 2, 2, 4, 2, 4, 2])  # two warm-ups, then (step, plain) pairs
+    durations = iter([0.0, 0.0] + [2, 1, 2, 1, 2, 2, 4, 2, 4, 2])  # two warm-ups, then (step, plain) rounds
     now = [0.0]
 
     def run():  # each program's run takes its listed number of seconds
         now[0] += next(durations)
 
     monkeypatch.setattr(step_profile.time, "perf_counter", lambda: now[0])
-    ma, mb, ratio = step_profile._paired_median_ms(run, run, 5)
-    assert (ma, mb) == (2e3, 2e3)  # medians of [2, 2, 2, 4, 4] and [1, 1, 2, 2, 2]: the drift hides the cost
-    assert ratio == 2.0
+    rounds = step_profile._in_turns((run, run), 5)
+    assert sorted(r[0] for r in rounds)[2] == sorted(r[1] for r in rounds)[2] == 2  # the drift hides the cost
+    assert step_profile._ratio_per_round(rounds, 0, 1) == 2.0
 
 
 def test_loop_timing_subtracts_the_call(monkeypatch):
     """A part's time is that of 1 + LOOP runs in one call minus one run, over LOOP: a call's own cost
-    (0.5 s here) drops out, a run's (0.25 s) stays; paired, the ratio is per pair of differences."""
+    (0.5 s here) drops out, a run's stays; in turns, the ratio is per round of differences."""
     from eagle_jax import step_profile
 
     now = [0.0]
@@ -482,10 +483,9 @@ def test_loop_timing_subtracts_the_call(monkeypatch):
         return run
 
     assert step_profile._loop_seconds(part(0.25)) == pytest.approx(0.25)
-    rounds = step_profile._in_turns((part(0.25), part(0.1)), 3, step_profile._loop_seconds)
-    assert rounds == [[pytest.approx(0.25), pytest.approx(0.1)]] * 3
-    a, b, ratio = step_profile._paired_median_ms(part(0.3), part(0.1), 3, step_profile._loop_seconds)
-    assert (a, b, ratio) == (pytest.approx(300), pytest.approx(100), pytest.approx(3.0))
+    rounds = step_profile._in_turns((part(0.3), part(0.1)), 3, step_profile._loop_seconds)
+    assert rounds == [[pytest.approx(0.3), pytest.approx(0.1)]] * 3
+    assert step_profile._ratio_per_round(rounds, 0, 1) == pytest.approx(3.0)
 
 
 def test_looped_parts_run_n_times_and_give_one_runs_result(tiny_hf_dir, monkeypatch):
