@@ -10,10 +10,11 @@ steps and `top_k` children per expanded node. For each one measured:
   prompts the benchmark reports) gives tau = new tokens per target pass (the drafter's measured
   acceptance with that tree);
 - cost: `step_profile.profile_spec_step` times one step with it on this device (drafting,
-  verification of N tokens, and the rest), and a plain decoding step with its runs alternated
-  with the step's;
-- expected speedup = tau ÷ (step time ÷ plain step time), that ratio the median over the pairs of
-  back-to-back runs (`step_over_plain`; expected tokens/s = tau / step time). A ratio of two
+  verification of N tokens, and the rest), and a plain decoding step, all in turns and each as it
+  costs inside the decoding loop (since stop 59; before, every timing also held a call's own cost,
+  which understated the step ÷ plain ratio, larger trees' most);
+- expected speedup = tau ÷ (step time ÷ plain step time), that ratio the median over the rounds
+  of back-to-back timings (`step_over_plain`; expected tokens/s = tau / step time). A ratio of two
   times taken side by side holds while a shared machine's speed drifts between candidates, which
   expected tokens/s alone does not (stops 37 and 40 saw that noise pick trees); a ratio per pair
   also holds when the speed changes while one candidate is timed (stop 45).
