@@ -132,8 +132,8 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
     _, args = engine._request(prompt_ids, max(64, room), temperature, top_p, top_k, 0, cache_len, method)
     args = (*args[:3], jnp.asarray([-1], jnp.int32), *args[4:])  # no EOS: no looped run stops early
     state = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
-    tree = _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(1))
     draft = lambda n: _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(n))
+    tree = draft(1)
     verify = lambda n: _verify(engine.params, engine.cfg, head, state, tree, budget.max_depth, jnp.int32(n))
 
     def steps(n):  # spec_advance donates its state: give it a fresh copy (copied before the clock starts)
