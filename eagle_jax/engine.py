@@ -188,7 +188,7 @@ class Engine:
                 print(f"[eagle_jax] not using GGUF blocks: the GGUF behind {model!r} is unavailable ({e})",
                       file=sys.stderr)
             if gguf is not None:
-                self.params = attach_gguf_blocks(self.params, self.cfg, gguf, log=say)
+                self.params = attach_gguf_blocks(self.params, self.cfg, gguf, check="rows", log=say)
                 self.quantized = True
                 self.activations = resolve_activations(activations)
                 if self.activations == "int8":
@@ -211,6 +211,7 @@ class Engine:
         self.method = method
         self.heads: dict[str, DraftHead] = {}  # by method
         self.budgets: dict[str, TreeBudget] = {}
+        self._compiled: set = set()  # programs compile_for has compiled (its keys)
         if method != "vanilla":
             self.add_method(method, drafter or "default", budget)
 
@@ -317,6 +318,29 @@ class Engine:
         eos = jnp.asarray(self.eos_ids or [-1], jnp.int32)
         return method, (jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new_tokens), eos, sp,
                         jax.random.PRNGKey(seed))
+
+    def compile_for(self, prompt_ids: list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, cache_len: Optional[int] = None,
+                    method: Optional[str] = None) -> Optional[float]:
+        """Trace and compile the program that `generate_ids` runs for this request (its shapes: the
+        cache size; its method, head, tree budget and kernels) without running it: the seconds that
+        took, or None when this engine has compiled that program before. Otherwise the first request
+        of a shape pays for it inside `generate_ids`, whose `seconds` then include it; the CLI calls
+        this first, so that the speed it reports is decoding's. Checks the request as `generate_ids` does."""
+        method, args = self._request(prompt_ids, max_new_tokens, temperature, top_p, top_k, 0, cache_len, method)
+        spec = method != "vanilla"
+        key = (method, id(self.heads[method]) if spec else None, self.budgets[method] if spec else None,
+               tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
+        if key in self._compiled:
+            return None
+        t0 = time.perf_counter()
+        if spec:
+            speculative_generate.lower(self.params, self.cfg, self.heads[method], *args, budget=self.budgets[method],
+                                       prefill_chunk=self.prefill_chunk).compile()
+        else:
+            generate_tokens.lower(self.params, self.cfg, *args, prefill_chunk=self.prefill_chunk).compile()
+        self._compiled.add(key)
+        return time.perf_counter() - t0
 
     def finish_reason(self, new_tokens: Sequence[int]) -> str:
         return "stop" if new_tokens and new_tokens[-1] in self.eos_ids else "length"

@@ -52,6 +52,38 @@ def test_prompt_longer_than_cache_says_so(tiny_hf_dir, capsys):
     assert "exceeds the cache length 32" in err.err
 
 
+def test_compilation_is_reported_apart_from_decoding(tiny_hf_dir, tmp_path, capsys):
+    """The one-shot CLI compiles each new cache size before decoding it and says so once; the speed
+    line after each answer is the decoding's. Two prompts of one cache size: one compile line."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "w5 w6 w7"}\n{"id": 2, "prompt": "w9"}\n')
+    assert main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--max-new-tokens", "6"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    compiled = [i for i, line in enumerate(err) if "decoding for a" in line]
+    speeds = [i for i, line in enumerate(err) if "tok/s" in line]
+    assert len(compiled) == 1 and len(speeds) == 2 and compiled[0] < speeds[0], err
+    assert "compiled vanilla decoding for a 128-token cache in" in err[compiled[0]]
+
+
+def test_engine_compile_for_is_the_program_generate_runs(tiny_hf_dir):
+    """`Engine.compile_for` traces and compiles what `generate_ids` then runs (no second trace), once
+    per shape and method (None after), and checks the request as `generate_ids` does."""
+    from eagle_jax.decoding import TRACE_COUNTS
+
+    engine = Engine(str(tiny_hf_dir), method="eagle3", drafter="random", progress=False, max_cache_len=64)
+    ids = engine.encode("w5 w6 w7")
+    for method, name in (("eagle3", "speculative"), ("vanilla", "generate")):
+        before = TRACE_COUNTS.get(name, 0)
+        assert engine.compile_for(ids, 7, cache_len=48, method=method) >= 0
+        assert TRACE_COUNTS[name] == before + 1
+        assert engine.compile_for(ids, 7, cache_len=48, method=method) is None
+        engine.generate_ids(ids, 7, cache_len=48, method=method)
+        assert TRACE_COUNTS[name] == before + 1
+    assert engine.compile_for(ids, 7, cache_len=56) >= 0  # another shape
+    with pytest.raises(ValueError, match="exceeds the cache length 64"):
+        engine.compile_for(ids, 70)
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--top-p", "0"], "top_p"),

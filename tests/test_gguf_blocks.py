@@ -76,10 +76,44 @@ def test_blocks_attach_beside_every_linear_and_the_embedding(tiny_gguf):
     assert "q4_1" not in params["layers"]["mlp"]["up_proj"]  # the input is left alone
 
 
-def test_blocks_from_another_file_are_rejected_by_name(tiny_gguf):
+@pytest.mark.parametrize("check", ["all", "rows", "first"])
+def test_blocks_from_another_file_are_rejected_by_name(tiny_gguf, check):
     d, cfg, params = tiny_gguf
     with pytest.raises(QuantizedLayoutError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
-        attach_gguf_blocks(params, cfg, d / "other.gguf")
+        attach_gguf_blocks(params, cfg, d / "other.gguf", check=check)
+
+
+def test_row_check_finds_a_misplaced_tensor_and_permuted_rows(tiny_gguf, monkeypatch):
+    """check="rows" (the Engine's: `CHECK_ROWS` rows of every tensor, not all of them) still finds one
+    layer's weights that are not its blocks' (a deeper layer, which "first" does not look at) and q
+    rows left in llama.cpp's rotary interleaving (every row of a head moves but its first and last)."""
+    from eagle_jax.models import quantized
+    from eagle_jax.models.gguf_loader import _unpermute_rows
+
+    d, cfg, params = tiny_gguf
+    dequantized, dequantize = [], quantized._dequantize_rows
+    monkeypatch.setattr(quantized, "_dequantize_rows", lambda kind, rows: dequantized.append(len(rows)) or
+                        dequantize(kind, rows))
+    attach_gguf_blocks(params, cfg, d / "m.gguf", check="rows")  # the right weights pass
+    assert len(dequantized) == 7 * cfg.num_layers + 1 and max(dequantized) == quantized.CHECK_ROWS
+    last = cfg.num_layers - 1
+
+    def with_kernel(group, name, layer, fn):
+        k = np.array(params["layers"][group][name]["kernel"])  # [L, K, N]
+        k[layer] = fn(k[layer])
+        node = dict(params["layers"][group][name], kernel=jnp.asarray(k))
+        return {**params, "layers": {**params["layers"], group: {**params["layers"][group], name: node}}}
+
+    first_down = np.asarray(params["layers"]["mlp"]["down_proj"]["kernel"][0])
+    swapped = with_kernel("mlp", "down_proj", last, lambda w: first_down)
+    attach_gguf_blocks(swapped, cfg, d / "m.gguf", check="first")  # layer 0 only: passes
+    with pytest.raises(QuantizedLayoutError, match=rf"model\.layers\.{last}\.mlp\.down_proj\.weight"):
+        attach_gguf_blocks(swapped, cfg, d / "m.gguf", check="rows")
+    interleaved = with_kernel("self_attn", "q_proj", last, lambda w: _unpermute_rows(w.T, cfg.num_heads).T)
+    with pytest.raises(QuantizedLayoutError, match=rf"model\.layers\.{last}\.self_attn\.q_proj\.weight"):
+        attach_gguf_blocks(interleaved, cfg, d / "m.gguf", check="rows")
+    with pytest.raises(ValueError, match="check must be"):
+        attach_gguf_blocks(params, cfg, d / "m.gguf", check="some")
 
 
 def test_model_through_blocks_matches_xla_and_stays_lossless(tiny_gguf):

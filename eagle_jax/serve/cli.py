@@ -208,10 +208,15 @@ def main(argv=None) -> int:
         return run_chat(engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, system=args.system)
     status = 0
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     for pid, prompt in prompts:
         try:
-            g = engine.generate(prompt, args.max_new_tokens, raw=args.raw, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, id=pid)
+            ids = engine.encode(prompt, raw=args.raw)
+            seconds = engine.compile_for(ids, args.max_new_tokens, **sampling)  # the speed below is decoding's
+            if seconds is not None:  # a new cache size
+                say(f"compiled {engine.method} decoding for a {engine.check_fits(len(ids), args.max_new_tokens)}-"
+                    f"token cache in {seconds:.1f}s (once per cache size and process; XLA's part is cached on disk)")
+            g = engine.generate_ids(ids, args.max_new_tokens, seed=args.seed, id=pid, **sampling)
         except ValueError as e:
             print(f"error: prompt {pid!r}: {e}", file=sys.stderr)
             status = 2
