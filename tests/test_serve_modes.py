@@ -97,10 +97,21 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_hf_dir):
 
 
 def test_chat_loop_streams_keeps_history_and_resets(tiny_hf_dir):
+    """Answers, history and /reset; the programs are compiled before the first prompt is read (no
+    answer traces one)."""
+    from eagle_jax.decoding import TRACE_COUNTS
+
     engine = Engine(str(tiny_hf_dir), progress=False, max_cache_len=128)
     lines = iter(["w5 w6", "", "w7", "/reset", "w5 w6", "/exit"])
+    traces = []
+
+    def read(_):
+        traces.append(dict(TRACE_COUNTS))
+        return next(lines)
+
     out, err = io.StringIO(), io.StringIO()
-    assert run_chat(engine, max_new_tokens=10, read=lambda _: next(lines), out=out, err=err) == 0
+    assert run_chat(engine, max_new_tokens=10, read=read, out=out, err=err) == 0
+    assert traces[0] == traces[-1] and traces[0].get("decode_advance")
     answers = out.getvalue().splitlines()
     first = engine.generate_ids(engine.encode("w5 w6"), 10)
     second = engine.generate_ids(engine.encode([{"role": "user", "content": "w5 w6"},
@@ -109,6 +120,7 @@ def test_chat_loop_streams_keeps_history_and_resets(tiny_hf_dir):
     assert answers == [first.text, second.text, first.text]  # after /reset the history is gone
     stats = [ln for ln in err.getvalue().splitlines() if "tok/s" in ln]
     assert len(stats) == 3 and all("tau 1.00" in s for s in stats)
+    assert "compiled vanilla decoding for a 128-token cache" in err.getvalue().splitlines()[0]  # before any answer
 
 
 def test_chat_cli_reads_stdin_until_eof(tiny_hf_dir):

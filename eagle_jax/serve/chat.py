@@ -1,7 +1,8 @@
 """`python -m eagle_jax.serve --chat`: an interactive terminal chat.
 
 Each answer streams token by token; after it, a status line shows tokens, tokens/s and tau (mean
-tokens per target pass). The conversation is kept (the chat template sees every turn) until it
+tokens per target pass). The decoding programs are compiled before the first prompt (said on
+stderr), so no answer's tokens/s counts the compile. The conversation is kept (the chat template sees every turn) until it
 would no longer fit the cache, when the oldest turns are dropped. Commands: `/reset` starts over,
 `/exit` (or Ctrl-D) quits.
 """
@@ -30,6 +31,13 @@ def run_chat(engine, *, max_new_tokens: int = 256, temperature: float = 0.0, top
              seed: int = 0, system: Optional[str] = None, read: Callable[[str], str] = input,
              out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """The chat loop; `read` raises EOFError at end of input."""
+    t0 = time.perf_counter()  # compile the one shape every answer uses, so that no answer's speed counts it
+    warm = engine.start_stream(engine.encode("Hi"), 2, temperature=temperature, top_p=top_p, top_k=top_k,
+                               cache_len=engine.max_cache_len)
+    while not warm.done:
+        warm.advance(1)
+    print(f"[eagle_jax] compiled {engine.method} decoding for a {engine.max_cache_len}-token cache in "
+          f"{time.perf_counter() - t0:.1f}s", file=err, flush=True)
     print(f"[eagle_jax] chatting with {engine.name} (method {engine.method}); {HELP}", file=err, flush=True)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     turn = 0
