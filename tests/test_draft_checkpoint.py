@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file as torch_load_safetensors
 from safetensors.torch import save_file as torch_save_safetensors
 
-from eagle_jax.draft.checkpoint import (CheckpointError, UnsafeCheckpointError, drafter_state_dict, load_drafter,
+from eagle_jax.draft.checkpoint import (CheckpointError, UnsafeCheckpointError, load_drafter,
                                         load_torch_state_dict, save_drafter)
 from eagle_jax.draft.config import DraftConfig, default_target_layers
 from eagle_jax.draft.heads import fuse_features, head_logits, head_step, init_head, to_target_ids

@@ -1,7 +1,6 @@
 """The sampler: logit filtering identical to transformers' warpers, and plain decoding's draws
 distributed as the filtered target distribution (a chi-square test that can fail)."""
 
-import itertools
 import zlib
 
 import jax

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from eagle_jax.training import data as D
-from eagle_jax.training import prompts as P
 from eagle_jax.training import distill_files as DF
 from eagle_jax.training import selfdistill as SD
 from eagle_jax.training import vocab as V

@@ -156,6 +156,9 @@ def _fail(msg: str) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # transformers (tokenizers, chat templates, configs) says on import that PyTorch was not found and
+    # its models are unavailable: true and beside the point for serving, which never uses them
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     serving = args.port is not None or args.host is not None
     if not (args.prompt is not None or args.prompts or args.chat or serving):
         return _fail("give --prompt TEXT, --prompts FILE.jsonl, --chat, or --host/--port to serve")

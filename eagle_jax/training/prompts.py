@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
-import io
 import json
 import re
 import subprocess
@@ -32,7 +31,7 @@ import sys
 import zipfile
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
