@@ -2,9 +2,9 @@
 
 Each answer streams token by token; after it, a status line shows tokens, tokens/s and tau (mean
 tokens per target pass). The decoding programs are compiled before the first prompt (said on
-stderr), so no answer's tokens/s counts the compile. The conversation is kept (the chat template sees every turn) until it
-would no longer fit the cache, when the oldest turns are dropped. Commands: `/reset` starts over,
-`/exit` (or Ctrl-D) quits.
+stderr), so no answer's tokens/s counts the compile. The conversation is kept (the chat template
+sees every turn) until it would no longer fit the cache, when the oldest turns are dropped.
+Commands: `/reset` starts over, `/exit` (or Ctrl-D) quits.
 """
 
 from __future__ import annotations
