@@ -11,18 +11,19 @@ logits included) and the whole step (`spec_advance`) — and a plain decoding st
 Each program runs its part n times in a row inside one call (n dynamic: one compile), every run
 on inputs nudged by an opaque zero from the run before (so that the compiler hoists nothing out of
 the loop) and, for verification, on the cache the run before wrote. A part's time is that of
-1 + extra runs minus that of one run, divided by the extra runs: the cost inside a decoding
-program, without a call's own cost. That cost is not small on the CPU: a call passes the target's
-393 parameter arrays (unrolled layers) to XLA (≈ 0.5 ms on the 2-core Zen 3 VM) and copies the
-caches it does not own (a few ms). Before stop 59 every part carried it once, so the split showed
+1 + `LOOP` runs minus that of one run, divided by `LOOP`: the cost inside a decoding program,
+without a call's own cost. That cost is not small on the CPU: a call passes the target's 393
+parameter arrays (unrolled layers) to XLA (≈ 0.5 ms on the 2-core Zen 3 VM) and copies the caches
+it does not own (a few ms). Before stop 59 every part carried it once, so the split showed
 EAGLE-3's drafting at 2.8 ms where it costs about 1.5 ms inside the step, and `other_ms` came out
-negative. The extra runs are `LOOP`, doubled per part until they last `MIN_LOOP_S` and longer than
-one call (`_extra_runs`, from one calibrating pair of calls), so that a shared machine's jitter of
-a few ms stays small beside the difference: a cheap part (a small model's plain step, 0.1 ms) would
-otherwise come out at zero or below. The four programs are timed in turns, `reps` rounds (so that a
-shared machine's drift moves them together), and each figure is the median of its `reps`
-differences; `step_over_plain` is the median of the ratios of each round's step to its plain step,
-which holds while the machine's speed drifts (autotuning ranks trees by it).
+negative. A cheap part (a small model's plain step: 0.1 ms, so `LOOP` runs last under 1 ms) would
+drown in a shared machine's jitter of a few ms and could come out at zero or below: each of its
+two timings is then the fastest of several calls (`_repeats`: as many as make the runs' total
+`MIN_LOOP_S` and longer than a call, from one calibrating pair; stop 60), which drops the calls a
+hiccup slowed. The four programs are timed in turns, `reps` rounds (so that a shared machine's
+drift moves them together), and each figure is the median of its `reps` differences;
+`step_over_plain` is the median of the ratios of each round's step to its plain step, which holds
+while the machine's speed drifts (autotuning ranks trees by it).
 
     split = profile_spec_step(engine, "eagle3", engine.encode("Hi"))
     split["draft_ms"], split["verify_ms"], split["step_ms"]
@@ -45,9 +46,9 @@ from .models.config import ModelConfig
 from .speculative import propose_tree, spec_advance, spec_start, verify_tree
 
 
-LOOP = 8  # the fewest extra runs of a part inside one call (module doc)
-MIN_LOOP_S = 0.03  # the extra runs last at least this long (and longer than one call), up to MAX_LOOP runs
-MAX_LOOP = 256
+LOOP = 8  # extra runs of a part inside one call (module doc)
+MIN_LOOP_S = 0.01  # a cheap part's repeated calls hold this many seconds of extra runs (and more than a call)
+MAX_REPEATS = 8
 
 
 def _opaque_zero(x, dtype):
@@ -101,22 +102,31 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _loop_seconds(fn, extra: int = LOOP) -> float:
-    """Seconds of one run of a part inside a call: `fn(n)` runs it n times; (1 + extra runs − 1 run) / extra."""
-    return (_time(lambda: fn(1 + extra)) - _time(lambda: fn(1))) / extra
+def _timed(fn, n: int, before=None, timer=_time) -> float:
+    """Seconds of the call `fn(n)`; `before()` (a fresh state to donate) runs first, off the clock."""
+    if before is not None:
+        before()
+    return timer(lambda: fn(n))
 
 
-def _extra_runs(fn, limit: int = MAX_LOOP, floor: float = MIN_LOOP_S, timer=_time) -> int:
-    """How many extra runs to time `fn` (`fn(n)` runs a part n times) with: `LOOP`, doubled until
-    they last `floor` seconds and longer than one call, by one calibrating pair of calls (1 and
-    1 + `LOOP` runs, after a warm-up); at most `limit` (at least `LOOP`). A difference lost in the
-    noise (not above zero) asks for the most."""
-    timer(lambda: fn(1))  # compile, first touch
-    one, more = timer(lambda: fn(1)), timer(lambda: fn(1 + LOOP))
-    per_run, extra = max(more - one, 0.0) / LOOP, LOOP
-    while extra < limit and extra * per_run < max(floor, one):
-        extra *= 2
-    return max(LOOP, min(extra, limit))
+def _loop_seconds(fn, repeats: int = 1, before=None, timer=_time) -> float:
+    """Seconds of one run of a part inside a call: `fn(n)` runs it n times; (1 + LOOP runs − 1 run) /
+    LOOP, each timing the fastest of `repeats` calls (made in pairs)."""
+    pairs = [(_timed(fn, 1 + LOOP, before, timer), _timed(fn, 1, before, timer)) for _ in range(repeats)]
+    return (min(p[0] for p in pairs) - min(p[1] for p in pairs)) / LOOP
+
+
+def _repeats(fn, before=None, floor: float = MIN_LOOP_S, limit: int = MAX_REPEATS, timer=_time) -> int:
+    """How many calls each timing of `fn` takes the fastest of: 1 when `LOOP` extra runs last `floor`
+    seconds and longer than one call; else as many as make their extra runs together last that long,
+    at most `limit`. From one calibrating pair of calls (1 and 1 + `LOOP` runs, after a warm-up); a
+    difference lost in the noise (not above zero) asks for `limit`."""
+    _timed(fn, 1, before, timer)  # compile, first touch
+    one, more = _timed(fn, 1, before, timer), _timed(fn, 1 + LOOP, before, timer)
+    extra, need = more - one, max(floor, one)
+    if extra >= need:
+        return 1
+    return limit if extra <= 0 else min(limit, -int(-need // extra))
 
 
 def _in_turns(fns, reps: int, timer=_time) -> list[list[float]]:
@@ -145,43 +155,30 @@ def profile_spec_step(engine, method: str, prompt_ids: list[int], *, budget: Opt
     if method not in engine.heads:
         raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
     budget = budget or engine.budgets[method]
-    head, step_tokens = engine.heads[method], budget.max_depth + 1  # a looped step accepts a whole path
-
-    def start(spec_extra, plain_extra):  # (args, spec state, plain state), no EOS, room for the looped steps
-        room = max((1 + spec_extra) * step_tokens, 1 + plain_extra) + 8
-        _, args = engine._request(prompt_ids, max(64, room), temperature, top_p, top_k, 0, cache_len, method)
-        args = (*args[:3], jnp.asarray([-1], jnp.int32), *args[4:])  # no looped run stops early
-        return args, spec_start(engine.params, engine.cfg, head, *args, budget=budget,
-                                prefill_chunk=engine.prefill_chunk), \
-            decode_start(engine.params, engine.cfg, *args, prefill_chunk=engine.prefill_chunk)
-
-    args, state, plain_state = start(LOOP, LOOP)
+    head = engine.heads[method]
+    room = (1 + LOOP) * (budget.max_depth + 1) + 8  # every looped step accepts a whole path and goes on
+    _, args = engine._request(prompt_ids, max(64, room), temperature, top_p, top_k, 0, cache_len, method)
+    args = (*args[:3], jnp.asarray([-1], jnp.int32), *args[4:])  # no EOS: no looped run stops early
+    state = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
+    plain_state = decode_start(engine.params, engine.cfg, *args, prefill_chunk=engine.prefill_chunk)
     draft = lambda n: _draft(engine.params, engine.cfg, head, state, budget, jnp.int32(n))
     tree = draft(1)
     verify = lambda n: _verify(engine.params, engine.cfg, head, state, tree, budget.max_depth, jnp.int32(n))
-    pools = {}  # spec_advance and decode_advance donate their state: each call takes a fresh copy
-
-    def fill(count):  # copies made before the clock starts
-        pools["spec"] = [jax.tree.map(jnp.copy, state) for _ in range(count)]
-        pools["plain"] = [jax.tree.map(jnp.copy, plain_state) for _ in range(count)]
-        jax.block_until_ready(pools)
+    fresh = {}  # spec_advance and decode_advance donate their state: each call gets a copy, made off the clock
 
     def steps(n):
-        return spec_advance(engine.params, engine.cfg, head, pools["spec"].pop(), *args[2:], budget=budget,
+        return spec_advance(engine.params, engine.cfg, head, fresh.pop("spec"), *args[2:], budget=budget,
                             n_steps=jnp.int32(n))
 
     def plain_steps(n):
-        return decode_advance(engine.params, engine.cfg, pools["plain"].pop(), *args[2:], n_steps=jnp.int32(n))
+        return decode_advance(engine.params, engine.cfg, fresh.pop("plain"), *args[2:], n_steps=jnp.int32(n))
 
-    fill(3)
-    fits = engine.max_cache_len - len(prompt_ids) - 8  # room the cache has for looped steps' tokens
-    limit = lambda runs: max(LOOP, min(MAX_LOOP, runs))
-    extras = [_extra_runs(draft), _extra_runs(verify), _extra_runs(steps, limit(fits // step_tokens - 1)),
-              _extra_runs(plain_steps, limit(fits - 1))]
-    if max(extras[2:]) > LOOP:  # a cheap step: start again with room for its looped steps
-        args, state, plain_state = start(*extras[2:])
-    fill(2 * reps + 2)
-    rounds = _in_turns(list(zip((draft, verify, steps, plain_steps), extras)), reps, lambda p: _loop_seconds(*p))
+    def copy(key, st):
+        return lambda: fresh.update({key: jax.block_until_ready(jax.tree.map(jnp.copy, st))})
+
+    parts = [(draft, None), (verify, None), (steps, copy("spec", state)), (plain_steps, copy("plain", plain_state))]
+    parts = [(fn, _repeats(fn, before), before) for fn, before in parts]
+    rounds = _in_turns(parts, reps, lambda p: _loop_seconds(*p))
     draft_ms, verify_ms, step_ms, plain_ms = (1e3 * statistics.median(col) for col in zip(*rounds))
     step_over_plain = _ratio_per_round(rounds, 2, 3)
     return {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms,

@@ -488,52 +488,35 @@ def test_loop_timing_subtracts_the_call(monkeypatch):
     assert step_profile._ratio_per_round(rounds, 0, 1) == pytest.approx(3.0)
 
 
-def test_cheap_parts_are_timed_with_more_runs(monkeypatch):
-    """The extra runs a part is timed with: LOOP for a part whose LOOP runs outlast both MIN_LOOP_S and a
-    call; doubled for a cheap one until they do (never past the limit, the room a cache has); the limit
-    when the calibrating difference is lost in noise. Fake clock: a call costs `own` s, a run `cost` s."""
+def test_cheap_parts_take_the_fastest_of_repeated_calls(monkeypatch):
+    """A part whose LOOP extra runs outlast MIN_LOOP_S and a call is timed once a round; a cheap one
+    takes the fastest of as many calls as make its extra runs last that long (at most the limit; the
+    limit when the calibrating difference is lost in noise), which drops a call a hiccup slowed.
+    Fake clock: a call costs `own` s, a run `cost` s, a listed call `stall` s more."""
     from eagle_jax import step_profile as sp
 
     now = [0.0]
     monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
 
-    def part(cost, own=0.001, jitter=()):
-        extra = iter(jitter)
+    def part(cost, own=0.001, stall=()):
+        calls = iter(range(10**6))
 
         def run(n):
-            now[0] += own + cost * n + next(extra, 0.0)
+            now[0] += own + cost * n + (0.5 if next(calls) in stall else 0.0)
         return run
 
-    assert sp._extra_runs(part(0.01)) == sp.LOOP  # 8 runs = 80 ms
-    assert sp._extra_runs(part(0.001)) == 32  # 8 ms → 16 ms → 32 ms ≥ 30 ms
-    assert sp._extra_runs(part(0.01, own=0.2)) == 32  # runs must outlast the call's own 0.2 s too
-    assert sp._extra_runs(part(0.0001), limit=100) == 100
-    assert sp._extra_runs(part(0.01, jitter=(0, 0.5)), limit=64) == 64  # the one-run call stalled: noise
-    assert sp._extra_runs(part(0.001), limit=3) == sp.LOOP  # never fewer than LOOP
-
-
-def test_cheap_steps_are_profiled_with_room_for_every_looped_step(tiny_hf_dir, monkeypatch):
-    """When the steps are timed with many extra runs, the profile starts again with a buffer that
-    holds them all: every looped step and plain step runs (none stops at a full buffer)."""
-    from eagle_jax import step_profile as sp
-
-    engine = Engine(str(tiny_hf_dir), method="eagle3", drafter="random", progress=False)
-    monkeypatch.setattr(sp, "_extra_runs", lambda fn, limit=sp.MAX_LOOP: min(limit, 100))
-    ran = []
-
-    def counting(advance, at):  # `at`: where the state is among the arguments
-        def run(*a, n_steps, **kw):
-            before = int(a[at].step)  # read before the call: its state is donated
-            out = advance(*a, n_steps=n_steps, **kw)
-            ran.append((int(n_steps), int(out.step) - before))
-            return out
-        return run
-
-    monkeypatch.setattr(sp, "spec_advance", counting(sp.spec_advance, 3))
-    monkeypatch.setattr(sp, "decode_advance", counting(sp.decode_advance, 2))
-    split = sp.profile_spec_step(engine, "eagle3", engine.encode("w5 w6 w7"), reps=1)
-    assert max(n for n, _ in ran) == 101 and all(n == steps for n, steps in ran), ran
-    assert split["step_ms"] > 0 and split["plain_ms"] > 0
+    assert sp._repeats(part(0.01)) == 1  # 8 runs = 80 ms
+    assert sp._repeats(part(0.0005)) == 3  # 4 ms a pair: 3 pairs hold 10 ms
+    assert sp._repeats(part(0.01, own=0.2)) == 3  # the runs must outlast the call's own 0.2 s too
+    assert sp._repeats(part(0.0001)) == sp.MAX_REPEATS
+    assert sp._repeats(part(0.01, stall={1}), limit=5) == 5  # the one-run call stalled: noise
+    # the 1-run calls of the first two pairs stall; one timing would give (0.008 - 0.5) / 8 < 0
+    assert sp._loop_seconds(part(0.001, stall={1, 3}), repeats=3) == pytest.approx(0.001)
+    assert sp._loop_seconds(part(0.001, stall={3}), repeats=1) == pytest.approx(0.001)  # call 3 not reached
+    assert sp._loop_seconds(part(0.001, stall={1})) < 0  # what one timing can give
+    made, used = [], []  # `before` makes each call's state (off the clock), the call takes it
+    sp._loop_seconds(lambda n: used.append(made.pop()), repeats=2, before=lambda: made.append(object()))
+    assert len(used) == 4 and made == []
 
 
 def test_looped_parts_run_n_times_and_give_one_runs_result(tiny_hf_dir, monkeypatch):
