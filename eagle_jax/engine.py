@@ -319,6 +319,14 @@ class Engine:
         return method, (jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new_tokens), eos, sp,
                         jax.random.PRNGKey(seed))
 
+    def _program(self, method: str):
+        """(jitted program, its arguments before the request's, its static keywords) of a `method`
+        request: what `generate_ids` runs and `compile_for` compiles."""
+        if method == "vanilla":
+            return generate_tokens, (self.params, self.cfg), {"prefill_chunk": self.prefill_chunk}
+        return (speculative_generate, (self.params, self.cfg, self.heads[method]),
+                {"budget": self.budgets[method], "prefill_chunk": self.prefill_chunk})
+
     def compile_for(self, prompt_ids: list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, cache_len: Optional[int] = None,
                     method: Optional[str] = None) -> Optional[float]:
@@ -328,18 +336,24 @@ class Engine:
         of a shape pays for it inside `generate_ids`, whose `seconds` then include it; the CLI calls
         this first, so that the speed it reports is decoding's. Checks the request as `generate_ids` does."""
         method, args = self._request(prompt_ids, max_new_tokens, temperature, top_p, top_k, 0, cache_len, method)
-        spec = method != "vanilla"
-        key = (method, id(self.heads[method]) if spec else None, self.budgets[method] if spec else None,
+        fn, lead, static = self._program(method)
+        key = (method, tuple(map(id, lead[2:])), tuple(static.items()),
                tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
         if key in self._compiled:
             return None
         t0 = time.perf_counter()
-        if spec:
-            speculative_generate.lower(self.params, self.cfg, self.heads[method], *args, budget=self.budgets[method],
-                                       prefill_chunk=self.prefill_chunk).compile()
-        else:
-            generate_tokens.lower(self.params, self.cfg, *args, prefill_chunk=self.prefill_chunk).compile()
+        fn.lower(*lead, *args, **static).compile()
         self._compiled.add(key)
+        return time.perf_counter() - t0
+
+    def warm_stream(self, cache_len: int, **sampling) -> float:
+        """Compile what `start_stream` runs for a `cache_len` cache (the start and the advance) by
+        streaming two tokens of a short prompt; the seconds that took (the server's warm-up per cache
+        bucket, the chat's before its first prompt)."""
+        t0 = time.perf_counter()
+        stream = self.start_stream(self.encode("Hi"), 2, cache_len=cache_len, **sampling)
+        while not stream.done:
+            stream.advance(1)
         return time.perf_counter() - t0
 
     def finish_reason(self, new_tokens: Sequence[int]) -> str:
@@ -352,11 +366,8 @@ class Engine:
         shape for all prompts); by default it is the prompt + new tokens rounded up to the bucket."""
         method, args = self._request(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, cache_len, method)
         t0 = time.perf_counter()
-        if method == "vanilla":
-            out = jax.device_get(generate_tokens(self.params, self.cfg, *args, prefill_chunk=self.prefill_chunk))
-        else:
-            out = jax.device_get(speculative_generate(self.params, self.cfg, self.heads[method], *args,
-                                                      budget=self.budgets[method], prefill_chunk=self.prefill_chunk))
+        fn, lead, static = self._program(method)
+        out = jax.device_get(fn(*lead, *args, **static))
         seconds = time.perf_counter() - t0
         calls, accept = call_stats(out)
         n = int(out.num_new[0])

@@ -31,13 +31,10 @@ def run_chat(engine, *, max_new_tokens: int = 256, temperature: float = 0.0, top
              seed: int = 0, system: Optional[str] = None, read: Callable[[str], str] = input,
              out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """The chat loop; `read` raises EOFError at end of input."""
-    t0 = time.perf_counter()  # compile the one shape every answer uses, so that no answer's speed counts it
-    warm = engine.start_stream(engine.encode("Hi"), 2, temperature=temperature, top_p=top_p, top_k=top_k,
-                               cache_len=engine.max_cache_len)
-    while not warm.done:
-        warm.advance(1)
+    # compile the one shape every answer uses, so that no answer's speed counts it
+    seconds = engine.warm_stream(engine.max_cache_len, temperature=temperature, top_p=top_p, top_k=top_k)
     print(f"[eagle_jax] compiled {engine.method} decoding for a {engine.max_cache_len}-token cache in "
-          f"{time.perf_counter() - t0:.1f}s", file=err, flush=True)
+          f"{seconds:.1f}s", file=err, flush=True)
     print(f"[eagle_jax] chatting with {engine.name} (method {engine.method}); {HELP}", file=err, flush=True)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     turn = 0
