@@ -17,24 +17,60 @@ programs measured as fast with them (170 vs 167 tokens/s plain, 213 vs 213 EAGLE
 
 `cpu_stable_jit` is `jax.jit` with that compiler option when JAX's default backend is the CPU, and
 plain `jax.jit` elsewhere (the option is XLA:CPU's; GPUs and TPUs compile as before). It keeps the
-jitted function's `lower`, `clear_cache` and `_cache_size`.
+jitted function's `lower`, `clear_cache` and `_cache_size`. On the CPU backend its programs also go
+through the traced-program cache when that is on (`program_cache.py`: a new process reads the traced
+program from disk instead of tracing it), and every trace of one, cached or not, counts in
+`TRACE_COUNTS` under its `trace_name` (the tests' check that a program compiles once per shape).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 
+from . import program_cache
+
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+TRACE_COUNTS: dict[str, int] = {}  # trace_name -> traces of that program in this process
+
+
+def _traced(fn, static_names: frozenset, name: str, cached: bool):
+    """What jax.jit traces for `fn`: `fn` itself, through the program cache when `cached`, with
+    the trace counted. Keeps `fn`'s signature (static and donated arguments are found by name)."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
+        if cached:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            static = {k: v for k, v in bound.arguments.items() if k in static_names}
+            dynamic = {k: v for k, v in bound.arguments.items() if k not in static_names}
+            try:
+                return program_cache.cached_call(fn, static, dynamic)
+            except program_cache.NotCached as miss:
+                out = fn(*args, **kwargs)
+                miss.warn()
+                return out
+        return fn(*args, **kwargs)
+
+    return traced
 
 
 class cpu_stable_jit:  # noqa: N801 - used as a decorator, like jax.jit
-    """`jax.jit(fn, **kw)`, compiled with `CPU_COMPILER_OPTIONS` on the CPU backend (module doc)."""
+    """`jax.jit(fn, **kw)`, compiled with `CPU_COMPILER_OPTIONS` on the CPU backend (module doc);
+    `trace_name` (default: the function's name) is its key in `TRACE_COUNTS`."""
 
-    def __init__(self, fn, **jit_kwargs):
-        self._plain = jax.jit(fn, **jit_kwargs)
-        self._cpu = jax.jit(fn, compiler_options=CPU_COMPILER_OPTIONS, **jit_kwargs)
+    def __init__(self, fn, trace_name: str | None = None, **jit_kwargs):
+        names = jit_kwargs.get("static_argnames", ())
+        static = frozenset((names,) if isinstance(names, str) else names)
+        name = trace_name or fn.__name__
+        self._plain = jax.jit(_traced(fn, static, name, cached=False), **jit_kwargs)
+        self._cpu = jax.jit(_traced(fn, static, name, cached=True), compiler_options=CPU_COMPILER_OPTIONS,
+                            **jit_kwargs)
         functools.update_wrapper(self, fn)
 
     def _pick(self):

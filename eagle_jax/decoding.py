@@ -19,19 +19,11 @@ from .models.config import ModelConfig
 from .models.decoder import KVCache, forward, lm_logits
 from .sampling import SamplingParams, sample
 
-# Incremented each time a generation function is traced; tests use it to prove compile-once.
-TRACE_COUNTS: dict[str, int] = {}
-
-
 class GenerateOutput(NamedTuple):
     tokens: jax.Array  # [B, S] prompt followed by generated tokens (padding after `length`)
     length: jax.Array  # [B] prompt + generated
     num_new: jax.Array  # [B] generated tokens (EOS included when produced)
     target_calls: jax.Array  # [] target passes that produced tokens (the prefill pass, then one per step)
-
-
-def count_trace(name: str):
-    TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
 
 
 def prefill_plan(chunk) -> tuple[int, int]:
@@ -159,7 +151,7 @@ def _output(st: DecodeState, max_new_tokens) -> GenerateOutput:
     return GenerateOutput(st.tokens, st.length, st.num_new, st.calls + (max_new_tokens > 0))
 
 
-@functools.partial(cpu_stable_jit, static_argnames=("cfg", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, trace_name="generate", static_argnames=("cfg", "prefill_chunk"))
 def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
                     key, prefill_chunk=64) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row after each row's prompt.
@@ -167,7 +159,6 @@ def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_t
     tokens_bs: [B, S] prompts left-aligned; S is the cache length (static). eos_ids: [E] int32
     (pad with -1). A row stops at EOS (kept in the output), after max_new_tokens, or when full.
     """
-    count_trace("generate")
     st = _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
     st = jax.lax.while_loop(lambda st: ~jnp.all(st.done),
                             lambda st: _step(params, cfg, st, max_new_tokens, eos_ids, sp, key), st)
@@ -177,19 +168,18 @@ def generate_tokens(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_t
 # -- streaming: the same computation cut into calls, so a server can emit tokens as they come and
 # stop a generation between calls. Same key ⇒ same tokens as `generate_tokens`.
 
-@functools.partial(cpu_stable_jit, static_argnames=("cfg", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, trace_name="decode_start", static_argnames=("cfg", "prefill_chunk"))
 def decode_start(params, cfg: ModelConfig, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp: SamplingParams,
                  key, prefill_chunk=64) -> DecodeState:
     """Prefill and the first token; continue with `decode_advance`."""
-    count_trace("decode_start")
     return _start(params, cfg, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, prefill_chunk)
 
 
-@functools.partial(cpu_stable_jit, static_argnames=("cfg",), donate_argnames=("state",))
+@functools.partial(cpu_stable_jit, trace_name="decode_advance", static_argnames=("cfg",),
+                   donate_argnames=("state",))
 def decode_advance(params, cfg: ModelConfig, state: DecodeState, max_new_tokens, eos_ids, sp: SamplingParams, key,
                    n_steps) -> DecodeState:
     """Up to `n_steps` (dynamic) more decoding steps; stops early when every row is done."""
-    count_trace("decode_advance")
     stop = state.step + n_steps
     return jax.lax.while_loop(lambda st: ~jnp.all(st.done) & (st.step < stop),
                               lambda st: _step(params, cfg, st, max_new_tokens, eos_ids, sp, key), state)
@@ -200,7 +190,8 @@ def decode_output(state: DecodeState, max_new_tokens) -> GenerateOutput:
     return _output(state, max_new_tokens)
 
 
-@functools.partial(cpu_stable_jit, static_argnames=("cfg", "prefill_chunk"), donate_argnames=("state",))
+@functools.partial(cpu_stable_jit, trace_name="decode_refill", static_argnames=("cfg", "prefill_chunk"),
+                   donate_argnames=("state",))
 def decode_refill(params, cfg: ModelConfig, state: DecodeState, rows_r, tokens_rs, prompt_len_r, max_new_tokens,
                   eos_ids, sp: SamplingParams, key, prefill_chunk=64) -> DecodeState:
     """Continuous batching: start new prompts in rows `rows_r` of a running batch.
@@ -210,7 +201,6 @@ def decode_refill(params, cfg: ModelConfig, state: DecodeState, rows_r, tokens_r
     rows keep decoding untouched). A row index >= B is padding and writes nothing. A refilled row
     generates what `generate_tokens` would for its prompt alone, except for the sampling key.
     """
-    count_trace("decode_refill")
     sub = _start(params, cfg, tokens_rs, prompt_len_r, max_new_tokens, eos_ids, sp, key, prefill_chunk)
 
     def put(full, part, lead=0):

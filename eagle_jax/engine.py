@@ -27,6 +27,7 @@ from .draft.heads import DraftHead, init_head, oracle_head
 from .models.checkpoint import load_hf_dir
 from .models.decoder import check_layer_layout, with_layer_layout
 from .models.registry import resolve_model
+from .program_cache import enable_program_cache
 from .sampling import SamplingParams, validate_sampling
 from .speculative import speculative_generate
 from .tree import DEFAULT_STATIC_TREE, static_tree_of_size
@@ -119,7 +120,9 @@ class Engine:
       prefill_chunk: prompt tokens per prefill pass: an int, or (big, tail) (`decoding.prefill_plan`:
         big chunks, then tail chunks for the rest of the prompt); None: `default_prefill_chunk`.
       compile_cache: keep compiled programs on disk for later processes (`compile_cache.py`:
-        `~/.cache/eagle_jax/xla` unless JAX already has a cache directory); False opts out.
+        `~/.cache/eagle_jax/xla` unless JAX already has a cache directory), and traced ones
+        (`program_cache.py`: `~/.cache/eagle_jax/programs`, so a later process skips tracing the
+        decoding programs as well); False does not turn them on.
       layers: "unroll" (a compiled program per layer, each reading its own weights: the fastest on
         CPU), "scan" (the stacked checkpoint layout in one scanned layer: faster compiles, the
         layout sharded training uses) or "auto" (unroll on CPU, scan elsewhere). Same numbers.
@@ -172,6 +175,7 @@ class Engine:
 
         if compile_cache:
             enable_compile_cache()
+            enable_program_cache()
         self.model_spec = model
         self.path = Path(resolve_model(model, progress=progress))
         t0 = time.perf_counter()

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .cpu_jit import cpu_stable_jit
-from .decoding import count_trace, prefill, prefill_plan, run_chunks
+from .decoding import prefill, prefill_plan, run_chunks
 from .draft.drafting import Tree, TreeBudget, draft_candidates, draft_tree
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
 from .models.config import ModelConfig
@@ -205,12 +205,11 @@ def _output(st: SpecState) -> SpecOutput:
     return SpecOutput(st.tokens, st.length, st.num_new, st.calls, st.acc, st.step)
 
 
-@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, trace_name="speculative", static_argnames=("tcfg", "budget", "prefill_chunk"))
 def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens,
                          eos_ids, sp: SamplingParams, key, budget: TreeBudget, prefill_chunk=64) -> SpecOutput:
     """Generate up to `max_new_tokens` per row with EAGLE speculation (same contract as
     `decoding.generate_tokens`: tokens_bs [B, S] left-aligned prompts, S static)."""
-    count_trace("speculative")
     st = _start(target_params, tcfg, head, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, budget,
                 prefill_chunk)
     st = jax.lax.while_loop(
@@ -221,20 +220,19 @@ def speculative_generate(target_params, tcfg: ModelConfig, head: DraftHead, toke
 
 # -- streaming: the same computation cut into calls (same key ⇒ same tokens as speculative_generate).
 
-@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget", "prefill_chunk"))
+@functools.partial(cpu_stable_jit, trace_name="spec_start", static_argnames=("tcfg", "budget", "prefill_chunk"))
 def spec_start(target_params, tcfg: ModelConfig, head: DraftHead, tokens_bs, prompt_len_b, max_new_tokens, eos_ids,
                sp: SamplingParams, key, budget: TreeBudget, prefill_chunk=64) -> SpecState:
     """Target and head prefill and the first token; continue with `spec_advance`."""
-    count_trace("spec_start")
     return _start(target_params, tcfg, head, tokens_bs, prompt_len_b, max_new_tokens, eos_ids, sp, key, budget,
                   prefill_chunk)
 
 
-@functools.partial(cpu_stable_jit, static_argnames=("tcfg", "budget"), donate_argnames=("state",))
+@functools.partial(cpu_stable_jit, trace_name="spec_advance", static_argnames=("tcfg", "budget"),
+                   donate_argnames=("state",))
 def spec_advance(target_params, tcfg: ModelConfig, head: DraftHead, state: SpecState, max_new_tokens, eos_ids,
                  sp: SamplingParams, key, budget: TreeBudget, n_steps) -> SpecState:
     """Up to `n_steps` (dynamic) more verification steps; stops early when every row is done."""
-    count_trace("spec_advance")
     stop = state.step + n_steps
     return jax.lax.while_loop(
         lambda st: ~jnp.all(st.done) & (st.step < stop),

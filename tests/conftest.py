@@ -10,6 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import gc
 from pathlib import Path
 
+_base = os.environ.get("EAGLE_JAX_CACHE") or str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle_jax")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # One persistent compilation cache for the test runs on this machine (both xdist workers, later
     # runs, and the CLIs the tests start), apart from the user's own (`compile_cache.py`): programs
@@ -20,10 +22,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # JAX_COMPILATION_CACHE_DIR at an empty directory.
     # The base is registry.default_cache_dir()'s rule, written out: importing eagle_jax imports jax,
     # which reads these variables once, at its import.
-    _base = os.environ.get("EAGLE_JAX_CACHE") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle_jax")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(_base).expanduser() / "xla-tests")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+# The traced-program cache (eagle_jax/program_cache.py) is on for every test, as the Engine turns it
+# on for users: each decoding program the tests run goes through its serialised form. The tests'
+# own directory, beside xla-tests (the tests' programs would otherwise fill the user's cache).
+# For a cold run, point EAGLE_JAX_PROGRAM_CACHE at an empty directory as well.
+os.environ.setdefault("EAGLE_JAX_PROGRAM_CACHE", str(Path(_base).expanduser() / "programs-tests"))
 # JAX keeps only programs that took at least 1 s to compile; at level 0 (below) most tiny-model
 # programs take less, so a warm run would recompile them. From 0.2 s up: tests/test_decoding.py
 # cold / warm 57 / 50 s with 1 s, 53 / 35 s with 0.2 s, 66 / 31 s with 0 (writing every small program).
@@ -41,6 +46,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 import numpy as np
 import pytest
+
+from eagle_jax.program_cache import enable_program_cache
+
+enable_program_cache()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -109,6 +118,21 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _no_program_cache_under_patches(request):
+    """A test that patches code (the `monkeypatch` fixture) runs with the traced-program cache off: a
+    program's key covers eagle_jax's source files, not a function patched at run time, so a program
+    cached from the unpatched code would run in its place (`program_cache.py`). Tests that need the
+    cache under a patch turn it on themselves (tests/test_program_cache.py)."""
+    if "monkeypatch" in request.fixturenames:
+        from eagle_jax import program_cache
+
+        patch = request.getfixturevalue("monkeypatch")
+        patch.setenv("EAGLE_JAX_PROGRAM_CACHE", "off")  # an Engine built in the test keeps it off
+        patch.setitem(program_cache._state, "dir", None)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_compilation_is_reported_apart_from_decoding(tiny_hf_dir, tmp_path, caps
 def test_engine_compile_for_is_the_program_generate_runs(tiny_hf_dir):
     """`Engine.compile_for` traces and compiles what `generate_ids` then runs (no second trace), once
     per shape and method (None after), and checks the request as `generate_ids` does."""
-    from eagle_jax.decoding import TRACE_COUNTS
+    from eagle_jax.cpu_jit import TRACE_COUNTS
 
     engine = Engine(str(tiny_hf_dir), method="eagle3", drafter="random", progress=False, max_cache_len=64)
     ids = engine.encode("w5 w6 w7")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import make_hf_model, twin
-from eagle_jax.decoding import (TRACE_COUNTS, cache_length_for, chunk_counts, generate_tokens, pack_prompts, prefill,
-                                prefill_plan)
+from eagle_jax.cpu_jit import TRACE_COUNTS
+from eagle_jax.decoding import cache_length_for, chunk_counts, generate_tokens, pack_prompts, prefill, prefill_plan
 from eagle_jax.engine import parse_prefill_chunk
 from eagle_jax.models.decoder import KVCache, forward, lm_logits
 from eagle_jax.sampling import SamplingParams

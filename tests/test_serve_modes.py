@@ -99,7 +99,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_hf_dir):
 def test_chat_loop_streams_keeps_history_and_resets(tiny_hf_dir):
     """Answers, history and /reset; the programs are compiled before the first prompt is read (no
     answer traces one)."""
-    from eagle_jax.decoding import TRACE_COUNTS
+    from eagle_jax.cpu_jit import TRACE_COUNTS
 
     engine = Engine(str(tiny_hf_dir), progress=False, max_cache_len=128)
     lines = iter(["w5 w6", "", "w7", "/reset", "w5 w6", "/exit"])

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from eagle_jax import speculative
-from eagle_jax.decoding import TRACE_COUNTS, generate_tokens, pack_prompts
+from eagle_jax.cpu_jit import TRACE_COUNTS
+from eagle_jax.decoding import generate_tokens, pack_prompts
 from eagle_jax.draft import DraftConfig, TreeBudget, init_head, oracle_head
 from eagle_jax.draft.drafting import draft_tree
 from eagle_jax.sampling import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_jax.decoding import TRACE_COUNTS
+from eagle_jax.cpu_jit import TRACE_COUNTS
 from eagle_jax.engine import Engine
 from eagle_jax.streaming import IncrementalText
 

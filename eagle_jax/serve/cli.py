@@ -218,7 +218,8 @@ def main(argv=None) -> int:
             seconds = engine.compile_for(ids, args.max_new_tokens, **sampling)  # the speed below is decoding's
             if seconds is not None:  # a new cache size
                 say(f"compiled {engine.method} decoding for a {engine.check_fits(len(ids), args.max_new_tokens)}-"
-                    f"token cache in {seconds:.1f}s (once per cache size and process; XLA's part is cached on disk)")
+                    f"token cache in {seconds:.1f}s (once per cache size and process; the traced and compiled "
+                    "programs are cached on disk)")
             g = engine.generate_ids(ids, args.max_new_tokens, seed=args.seed, id=pid, **sampling)
         except ValueError as e:
             print(f"error: prompt {pid!r}: {e}", file=sys.stderr)
