@@ -19,6 +19,7 @@ from .models.config import ModelConfig
 from .models.decoder import KVCache, forward, lm_logits
 from .sampling import SamplingParams, sample
 
+
 class GenerateOutput(NamedTuple):
     tokens: jax.Array  # [B, S] prompt followed by generated tokens (padding after `length`)
     length: jax.Array  # [B] prompt + generated

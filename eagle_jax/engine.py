@@ -147,7 +147,8 @@ class Engine:
         block of x rounded to int8, products summed exactly in int32 by AVX512-VNNI or AVX2, the
         same results on both, as llama.cpp computes GGUF models; prefill through the kernel too, so
         a prompt's keys do not depend on its chunk or batch: 1.5-2x as fast a step, the next-token
-        loss ~0.2% higher) or "auto" (int8 where the kernel has them). Plain and speculative
+        loss ~0.2% higher; the float32 layer weights, then never read, are dropped: 425 MB on
+        SmolLM2) or "auto" (int8 where the kernel has them). Plain and speculative
         decoding run the same products, so speculative output equals plain output either way.
         `self.activations` says which is in use ("float32" without GGUF blocks).
     """
@@ -160,8 +161,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         from .kernels.cpu_matmul import ANY_ROWS, resolve_matmul_impl
-        from .models.quantized import (ACTIVATIONS, DRAFT_ROWS, attach_gguf_blocks, regroup_for_int8,
-                                       resolve_activations, resolve_draft_rows)
+        from .models.quantized import (ACTIVATIONS, DRAFT_ROWS, attach_gguf_blocks, drop_shadowed_kernels,
+                                       regroup_for_int8, resolve_activations, resolve_draft_rows)
         from .models.registry import model_gguf
 
         check_layer_layout(layers)  # before any loading
@@ -201,6 +202,7 @@ class Engine:
                     # XLA's float32 GEMM there would give a prompt other keys than the int8 products
                     # of a decoding step, and a batch's (or chunk's) size would decide which a token got
                     self.cfg = self.cfg.replace(kernel_rows=ANY_ROWS)
+                    self.params = drop_shadowed_kernels(self.params)  # never read now: 425 MB on SmolLM2
         self.params = with_layer_layout(self.params, layers)
         self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))

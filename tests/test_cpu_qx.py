@@ -19,7 +19,8 @@ from eagle_jax.kernels import cpu_qx
 from eagle_jax.models.checkpoint import load_hf_dir
 from eagle_jax.models.decoder import forward, lm_logits, unstack_layers
 from eagle_jax.models.gguf_loader import convert_gguf_to_hf_dir
-from eagle_jax.models.quantized import attach_gguf_blocks, regroup_for_int8, resolve_activations
+from eagle_jax.models.quantized import (attach_gguf_blocks, drop_shadowed_kernels, regroup_for_int8,
+                                       resolve_activations)
 from decode_util import decode
 from gguf_util import tiny_config, write_tiny_gguf
 
@@ -198,6 +199,37 @@ def test_model_through_int8_rows_is_close_to_float32_and_lossless(tiny_gguf):
             spec, _ = decode(i8, kcfg, prompts, 24, head=head, budget=budget)
             for r, n in enumerate(lens):
                 assert list(spec[r, n:n + 24]) == list(plain[r, n:n + 24])
+
+
+@needs_qx
+def test_float32_weights_dropped_under_int8_rows_are_never_read(tiny_gguf):
+    """`drop_shadowed_kernels` (what an int8 Engine keeps): the float32 weights that the blocks
+    replace go (the fused q/k/v, each node with its own blocks), the embedding and every node
+    without blocks stay; the model computes the same bits without them once every product goes
+    through the blocks, and a product that would still read them fails to trace."""
+    from eagle_jax.kernels.cpu_matmul import ANY_ROWS
+
+    d, kcfg, params = tiny_gguf
+    qx = regroup_for_int8(attach_gguf_blocks(params, kcfg, d / "m.gguf"))
+    slim = drop_shadowed_kernels(qx)
+    n_layers = kcfg.num_layers
+    for group, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                         ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+        for name in names:
+            node = slim["layers"][group][name]
+            assert node["kernel"].shape == (n_layers, 0), (group, name)
+    bare = jax.tree.map(lambda a: a, qx)  # new dicts, same arrays
+    del bare["layers"]["mlp"]["down_proj"]["q4_1x8"]  # a projection without blocks keeps its weights
+    assert drop_shadowed_kernels(bare)["layers"]["mlp"]["down_proj"]["kernel"].shape == (n_layers, 512, 256)
+    assert slim["embed_tokens"]["embedding"].shape == qx["embed_tokens"]["embedding"].shape
+    cfg = dataclasses.replace(kcfg, kernel_rows=ANY_ROWS)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, kcfg.vocab_size, (2, 40)), jnp.int32)
+    logits = lambda c: jax.jit(lambda p: lm_logits(p, c, forward(p, c, tokens).hidden))
+    want = np.asarray(logits(cfg)(unstack_layers(qx)))
+    assert np.array_equal(np.asarray(logits(cfg)(unstack_layers(slim))), want)
+    assert 40 * 2 > kcfg.kernel_rows  # with the row limit, these products want the float32 weights
+    with pytest.raises(Exception, match="kernel"):
+        logits(kcfg)(unstack_layers(slim))
 
 
 def test_decoding_programs_compile_alike_on_the_cpu():

@@ -84,7 +84,6 @@ def params_from_hf_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
         raise CheckpointError(f"checkpoint has unexpected tensor {unexpected[0]!r}{more} for config {cfg.family} "
                               f"(qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, tied={cfg.tie_word_embeddings})")
     dt = np.dtype(dtype or cfg.dtype) if (dtype or cfg.dtype) != "bfloat16" else jax.numpy.bfloat16
-    stacks: dict[tuple, list] = {}
     flat: dict[tuple, np.ndarray] = {}
     for name, hf_shape, (keys, layer) in layout:
         arr = np.asarray(fetch(name))
@@ -92,13 +91,12 @@ def params_from_hf_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
             raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_shape)}")
         if keys[-1] == "kernel":
             arr = arr.T
-        arr = arr.astype(dt)
         if layer is None:
-            flat[keys] = arr
-        else:
-            stacks.setdefault(keys, []).append(arr)
-    for keys, arrs in stacks.items():
-        flat[keys] = np.stack(arrs)
+            flat[keys] = arr.astype(dt)
+        else:  # each layer converted straight into its slot of the stack: one copy, no list of layers
+            if keys not in flat:
+                flat[keys] = np.empty((cfg.num_layers, *arr.shape), dt)
+            flat[keys][layer] = arr
     params: dict = {}
     for keys, arr in flat.items():
         node = params

@@ -178,7 +178,6 @@ class KernelDense(nn.Module):
     def __call__(self, x):
         from ..kernels.cpu_matmul import bmatmul, hmatmul, imatmul, matmul, qmatmul, quant_kind
 
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
         held = self.variables.get("params", {})
         kind = quant_kind(held)
         few = math.prod(x.shape[:-1]) <= self.max_rows
@@ -192,7 +191,9 @@ class KernelDense(nn.Module):
                         self.get_variable("params", "i8_scales"), self.features).astype(self.dtype)
         elif "f16" in held and few and self.dtype == jnp.float32:  # the float16 values of a head's kernel
             y = hmatmul(x.astype(jnp.float32), self.get_variable("params", "f16"))
-        else:
+        else:  # only this path reads the float32 weights (`models.quantized.drop_shadowed_kernels`)
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                                self.param_dtype)
             y = matmul(x.astype(self.dtype), kernel.astype(self.dtype), max_rows=self.max_rows).astype(self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)

@@ -204,6 +204,37 @@ def regroup_for_int8(params):
     return walk(params)
 
 
+def drop_shadowed_kernels(params):
+    """`params` (as `regroup_for_int8` leaves them) without the float32 weights that only products
+    of more than `ModelConfig.kernel_rows` rows would read: every "kernel" of a node holding GGUF
+    blocks, and of the projections whose blocks were fused into a group's "qkv_proj" / "gate_up_proj"
+    node, becomes an empty float32 array. For an Engine under int8 rows of x, which lifts that limit
+    (every product, prefill chunks included, goes through the blocks): SmolLM2's 425 MB of float32
+    layer weights are never read. A product that still asked for them would fail to trace (a shape
+    error), never compute with the wrong weights. Embeddings stay (token lookups read them)."""
+
+    def empty(a):  # [K, N] -> [0]; stacked [L, K, N] -> [L, 0] (the layout's leading axis stays)
+        return jnp.zeros((*a.shape[:-2], 0), a.dtype)
+
+    def strip(node: dict) -> dict:
+        return {k: empty(v) if k == "kernel" else v for k, v in node.items()}
+
+    def walk(node):
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        for _, fused, names in _FUSED:
+            if isinstance(out.get(fused), dict) and quant_kind(out[fused]) is not None:
+                out.update({n: strip(out[n]) for n in names if isinstance(out.get(n), dict)})
+        if "kernel" in out and quant_kind(out) is not None:
+            out = strip(out)
+        return out
+
+    return walk(params)
+
+
 DRAFT_ROWS = ("auto", "b16", "i8", "q8_0x8", "q8_0", "q4_1", "f16")
 
 
