@@ -85,10 +85,6 @@ def enable_program_cache(path: Optional[str | os.PathLike] = None) -> Optional[P
     return path
 
 
-def disable_program_cache() -> None:
-    _state["dir"] = None
-
-
 def program_cache_dir() -> Optional[Path]:
     """The directory in use, or None when the cache is off."""
     return _state["dir"]
@@ -217,6 +213,30 @@ class NotCached(Exception):
             log.warning("program cache: tracing %s directly (%s)", name, self.why[:300])
 
 
+def _read_or_export(fn: Callable, static: dict, names: tuple[str, ...], in_tree, avals, directory: Path,
+                    key: str):
+    """(Exported, out tree) of `fn`'s program: read from its file, else exported now and written
+    there. Raises `NotCached` when the directory is unusable or the program cannot be exported."""
+    try:
+        path = _version_dir(directory) / f"{fn.__name__}-{key}.jaxexport"
+    except OSError as e:
+        raise NotCached(fn, f"{directory}: {e}") from e
+    if path.exists():
+        try:
+            return _read(path)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: export it again
+            log.info("program cache: rewriting %s (%s)", path.name, e)
+    try:
+        entry = _export(fn, static, names, in_tree, avals)
+    except Exception as e:  # noqa: BLE001 - not exportable: trace directly (that raises real errors)
+        raise NotCached(fn, f"{type(e).__name__}: {e}") from e
+    try:
+        _write(path, *entry)
+    except Exception as e:  # noqa: BLE001 - an unwritable directory or unpicklable tree costs time only
+        NotCached(fn, f"not written: {type(e).__name__}: {e}").warn()
+    return entry
+
+
 def cached_call(fn: Callable, static: dict, dynamic: dict[str, Any]):
     """Inside a trace: `fn(**dynamic, **static)` through its serialised program (read from the cache
     directory, or exported now and written there). Raises `NotCached` when that cannot be done (the
@@ -232,24 +252,7 @@ def cached_call(fn: Callable, static: dict, dynamic: dict[str, Any]):
     if key is None:
         raise NotCached(fn, "a static argument has no stable repr")
     entry = _memo.get(key)
-    try:
-        path = _version_dir(directory) / f"{fn.__name__}-{key}.jaxexport"
-    except OSError as e:
-        raise NotCached(fn, f"{directory}: {e}") from e
-    if entry is None and path.exists():
-        try:
-            entry = _read(path)
-        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: export it again
-            log.info("program cache: rewriting %s (%s)", path.name, e)
     if entry is None:
-        try:
-            entry = _export(fn, static, names, in_tree, avals)
-        except Exception as e:  # noqa: BLE001 - not exportable: trace directly (that raises real errors)
-            raise NotCached(fn, f"{type(e).__name__}: {e}") from e
-        try:
-            _write(path, *entry)
-        except Exception as e:  # noqa: BLE001 - an unwritable directory or unpicklable tree costs time only
-            NotCached(fn, f"not written: {type(e).__name__}: {e}").warn()
-    _memo[key] = entry
+        _memo[key] = entry = _read_or_export(fn, static, names, in_tree, avals, directory, key)
     exported, out_tree = entry
     return jax.tree.unflatten(out_tree, exported.call(*leaves))
