@@ -179,6 +179,21 @@ def resolve_activations(activations: str) -> str:
     return activations
 
 
+def _map_nodes(params, visit):
+    """`params` rebuilt bottom-up (dicts copied, lists and tuples of unrolled layers kept as such,
+    arrays shared), each dict replaced by `visit(original, copy)`: the copy already holds its
+    children's results, and `visit` may change it and returns what takes the node's place."""
+
+    def walk(node):
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        if not isinstance(node, dict):
+            return node
+        return visit(node, {k: walk(v) for k, v in node.items()})
+
+    return walk(params)
+
+
 def regroup_for_int8(params):
     """`params` with every node's GGUF blocks ("q4_1" / "q8_0" and their scales, as
     `attach_gguf_blocks` leaves them, stacked layers and fused projections included) regrouped for
@@ -189,19 +204,14 @@ def regroup_for_int8(params):
     Engine lifts that limit under int8 rows)."""
     from ..kernels.cpu_qx import COLS, regroup
 
-    def walk(node):
-        if isinstance(node, (list, tuple)):  # layers unrolled (`with_layer_layout`)
-            return type(node)(walk(v) for v in node)
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
+    def visit(node, out):
         kind = quant_kind(node)
         if kind in QUANT_BLOCK_BYTES and node[kind].shape[-2] % COLS == 0:
             del out[kind], out[f"{kind}_scales"]
             out[f"{kind}x8"] = jnp.asarray(regroup(np.asarray(node[kind]), f"{kind}x8"))
         return out
 
-    return walk(params)
+    return _map_nodes(params, visit)
 
 
 def drop_shadowed_kernels(params):
@@ -219,20 +229,13 @@ def drop_shadowed_kernels(params):
     def strip(node: dict) -> dict:
         return {k: empty(v) if k == "kernel" else v for k, v in node.items()}
 
-    def walk(node):
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
+    def visit(node, out):
         for _, fused, names in _FUSED:
             if isinstance(out.get(fused), dict) and quant_kind(out[fused]) is not None:
                 out.update({n: strip(out[n]) for n in names if isinstance(out.get(n), dict)})
-        if "kernel" in out and quant_kind(out) is not None:
-            out = strip(out)
-        return out
+        return strip(out) if "kernel" in out and quant_kind(out) is not None else out
 
-    return walk(params)
+    return _map_nodes(params, visit)
 
 
 DRAFT_ROWS = ("auto", "b16", "i8", "q8_0x8", "q8_0", "q4_1", "f16")
@@ -242,16 +245,13 @@ def _with_dense_rows(params, rows_for):
     """`params` with `rows_for(kernel)`'s entries merged into every 2-D float32 Dense node (those
     with a "kernel"); `rows_for` returns the entries to add or replace, or {} to leave the node."""
 
-    def walk(node):
-        if not isinstance(node, dict):
-            return node
-        out = {k: walk(v) for k, v in node.items()}
+    def visit(node, out):
         w = node.get("kernel")
         if w is not None and getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32:
             out.update(rows_for(np.asarray(w)))
         return out
 
-    return walk(params)
+    return _map_nodes(params, visit)
 
 
 def attach_q8_0_rows(params):
