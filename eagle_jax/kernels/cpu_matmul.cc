@@ -61,32 +61,62 @@ inline int64_t qx_row_bytes(int64_t K) { return K + 12 * (K / 32); }
 
 // The quantized kernels stream their rows of w (and the rows' float32 scales) from memory, a few
 // rows at a time, with little work per byte; left to the hardware prefetchers, a step's 120 MiB of
-// SmolLM2 blocks arrive at about 7-8 GB/s a core on the Xeon VM. Asking for the rows two passes
-// ahead (kPrefetchPasses, and the first passes of a chunk on entry; 1-4 measured alike) keeps more
-// lines in flight: a traced plain step there went from 9.2 to 7.0-7.3 ms, and side by side plain
-// decoding gained 33% tokens/s, EAGLE-3 with a 5-token tree (more rows, more arithmetic) 16%.
+// SmolLM2 blocks arrive at about 7-8 GB/s a core on the Xeon VM. So each pass asks for the rows of
+// the pass kPrefetchPasses ahead, a slice per block of 32 k (prefetch_ahead, Ahead::part), and a
+// chunk's first pass for the passes in between at once. Asking for a whole pass at its start
+// (before stop 62) gained 33% tokens/s on the Xeon VM against none; spreading the same requests
+// over the pass's blocks keeps a few lines in flight all the time, rather than a burst of 90 that
+// (we think) fills the core's miss buffers and stalls the arithmetic behind it. Measured on the Zen 3 VM
+// (one thread, from memory, [T, 576] x [576, 1536] blocks regrouped for int8 rows, a standalone harness):
+// Q4_1 41 -> 33 us for T = 1, 66 -> 49 for T = 3; Q8_0 [T, 576] x [576, 49152] (the tied LM head)
+// 2.8 -> 1.8 ms for T = 1, 4.3 -> 3.0 for T = 3.
 constexpr int64_t kPrefetchPasses = 2;
 
 // prefetcht0 as a volatile asm statement: a loop of _mm_prefetch calls has no effect the compiler
 // must keep, and GCC 12 deletes it once inlined (C++'s forward-progress rule).
+inline void prefetch_line(const char* c) { asm volatile("prefetcht0 %0" : : "m"(*c)); }
+
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) asm volatile("prefetcht0 %0" : : "m"(c[o]));
+  for (int64_t o = 0; o < bytes; o += 64) prefetch_line(c + o);
 }
 
+// The weights of the pass kPrefetchPasses ahead, asked for a few cache lines at a time: a kernel
+// calls part() once a block of 32 k of its pass (K / 32 times), and each call asks for the next
+// lines_per_part lines (at least 1/(K/32) of them, so all are asked for within the pass). No
+// division or branch beyond the loop's: the draft head's products run from cache, where the
+// requests only cost.
+struct Ahead {
+  const char* next = nullptr;  // the next line to ask for (none left when next >= end)
+  const char* end = nullptr;
+  int64_t lines_per_part = 0;
+  void part() {
+    for (int64_t i = 0; i < lines_per_part && next < end; ++i, next += 64) prefetch_line(next);
+  }
+};
+
 // Called by a quantized kernel at the start of its pass over rows [n, n + rows_per_pass) of the
-// chunk [n0, n1): prefetches the pass kPrefetchPasses ahead (and, on the chunk's first pass, the
-// ones in between), never past n1. w: the chunk's matrix (row_bytes a row), scales: its float32
-// scales (scale_floats a row).
-inline void prefetch_ahead(const uint8_t* w, const float* scales, int64_t n, int64_t n0, int64_t n1,
-                           int64_t rows_per_pass, int64_t row_bytes, int64_t scale_floats) {
-  for (int64_t p = n == n0 ? 1 : kPrefetchPasses; p <= kPrefetchPasses; ++p) {
+// chunk [n0, n1), which takes `parts` blocks. On the chunk's first pass, asks for the passes before
+// the one kPrefetchPasses ahead at once; asks for that one's scales (a few lines) at once too, and
+// returns its weights, for the pass to ask for a part a block. w: the chunk's matrix (row_bytes a
+// row), scales: its float32 scales (scale_floats a row) or null.
+inline Ahead prefetch_ahead(const uint8_t* w, const float* scales, int64_t n, int64_t n0, int64_t n1,
+                            int64_t rows_per_pass, int64_t row_bytes, int64_t scale_floats, int64_t parts) {
+  for (int64_t p = 1; n == n0 && p < kPrefetchPasses; ++p) {
     const int64_t m = n + p * rows_per_pass;
-    if (m >= n1) return;
+    if (m >= n1) break;
     const int64_t rows = std::min(rows_per_pass, n1 - m);
     prefetch_bytes(w + m * row_bytes, rows * row_bytes);
-    prefetch_bytes(scales + m * scale_floats, rows * scale_floats * 4);
+    if (scales != nullptr) prefetch_bytes(scales + m * scale_floats, rows * scale_floats * 4);
   }
+  const int64_t m = n + kPrefetchPasses * rows_per_pass;
+  if (m >= n1) return {};
+  const int64_t rows = std::min(rows_per_pass, n1 - m);
+  if (scales != nullptr) prefetch_bytes(scales + m * scale_floats, rows * scale_floats * 4);
+  const uintptr_t first = reinterpret_cast<uintptr_t>(w + m * row_bytes) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(w + (m + rows) * row_bytes);  // one past the end
+  const int64_t lines = (int64_t)((last - first + 63) / 64);
+  return {reinterpret_cast<const char*>(first), reinterpret_cast<const char*>(last), (lines + parts - 1) / parts};
 }
 
 // The block kernels: kn_block, nk_block, h16_block, q_block, b16_block, i8_block, kRowsW, kQOnePass,

@@ -192,8 +192,9 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
         for (int r = 0; r < R; ++r) acc[j][t][r] = _mm256_setzero_ps();
     const uint8_t* wn = w + n * row_bytes;
     const float* sn = scales + n * nb * S;
-    prefetch_ahead(w, scales, n, n0, n1, R, row_bytes, nb * S);
+    Ahead ahead = prefetch_ahead(w, scales, n, n0, n1, R, row_bytes, nb * S, nb);
     for (int64_t b = 0; b < nb; ++b) {
+      ahead.part();
       for (int r = 0; r < R; ++r) {
         if (r >= rows) break;
         __m256 v[4];
@@ -280,11 +281,12 @@ void qx_block(const float* xq_as_float, const float* w_as_float, const float*, f
   const __m256i low4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; n += kQxCols) {
     const uint8_t* wg = w + (n / kQxCols) * nb * GB;
-    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
+    Ahead ahead = prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0, nb);
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = wg + b * GB;
+      ahead.part();
       __m256i isum[T][2];  // [row][half]: the block's integer dot products, 8 columns a vector
       if constexpr (Q4) {
         __m256i s16[T][2];  // the 8 products of 4 bytes, summed in int16

@@ -170,8 +170,9 @@ void q_block(const float* x, const float* w_as_float, const float* scales, float
       for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
     const uint8_t* wn = w + n * row_bytes;
     const float* sn = scales + n * nb * S;
-    prefetch_ahead(w, scales, n, n0, n1, R, row_bytes, nb * S);
+    Ahead ahead = prefetch_ahead(w, scales, n, n0, n1, R, row_bytes, nb * S, nb);
     for (int64_t b = 0; b < nb; ++b) {
+      ahead.part();
       for (int r = 0; r < R; ++r) {
         if (r >= rows) break;
         __m512 lo, hi;
@@ -369,11 +370,12 @@ void qx_block(const float* xq_as_float, const float* w_as_float, const float*, f
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; n += kQxCols) {
     const uint8_t* wg = w + (n / kQxCols) * nb * GB;
-    prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0);
+    Ahead ahead = prefetch_ahead(w, nullptr, n, n0, n1, kQxCols, nb * GB / kQxCols, 0, nb);
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = wg + b * GB;
+      ahead.part();
       __m512i wv[8];
       if (Q4) {
         for (int p = 0; p < 4; ++p) {
