@@ -205,14 +205,104 @@ inline void axpy(float w, const float* vs, float* a, int64_t D) {
   for (; d < D; ++d) a[d] += w * vs[d];
 }
 
-// The AVX-512 path's interface, one dot and one axpy at a time.
+// Scores 8 slots at a time and p @ v with the accumulators in registers, as the AVX-512 path does
+// (before stop 62: one dot with its own horizontal sum a slot, and p @ v by axpy, a load and a
+// store of the accumulators a slot). SmolLM2's 9 heads on 3 KV heads, 200 visible slots, a layer
+// (the Zen 3 VM, best of 200): 1 query 31 -> 23 us, 3 queries 59 -> 38 us.
+
+// Lane j of the result: the sum of v[j]'s 8 lanes, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+// for every j alike (eight horizontal sums for 6 vhaddps, 2 permutes and an add).
+inline __m256 hsum8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // u0 = [v0 l0-3, v1 l0-3, v2 l0-3, v3 l0-3 | v0 l4-7, ..., v3 l4-7], u1 the same for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out[j] = (q · k_{s0+j}) * scale for j < n (slots `row` floats apart), j < 8; the rest unspecified.
+// Lane l of each dot sums d = l, l + 8, ... in order, then hsum8: eight dots' chains side by side.
+template <int VD>
+inline void scores8(const float* qv, const float* ks, int64_t row, int n, float scale, float* out) {
+  __m256 v[8];
+  for (int j = 0; j < 8; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    if (j < n) {
+      const float* kr = ks + j * row;
+      for (int d = 0; d < VD; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), _mm256_loadu_ps(kr + 8 * d), a);
+    }
+    v[j] = a;
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(hsum8(v), _mm256_set1_ps(scale)));
+}
+
+template <int VD>
+inline void scores16_v(const float* qv, const float* ks, int64_t row, int n, float scale, float* out) {
+  scores8<VD>(qv, ks, row, std::min(n, 8), scale, out);
+  if (n > 8) scores8<VD>(qv, ks + 8 * row, row, n - 8, scale, out + 8);
+}
+
+// The AVX-512 path's interface: 8 dots at a time where D is 8, 16, ..., 128; else one dot at a
+// time. Either way a dot's value does not depend on its slot or on the other slots.
 inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64_t D, float scale, float* out) {
-  for (int j = 0; j < n; ++j) out[j] = dot_row(qv, ks + j * row, D) * scale;
+  switch (D % 8 ? 0 : D / 8) {
+    case 1: return scores16_v<1>(qv, ks, row, n, scale, out);
+    case 2: return scores16_v<2>(qv, ks, row, n, scale, out);
+    case 3: return scores16_v<3>(qv, ks, row, n, scale, out);
+    case 4: return scores16_v<4>(qv, ks, row, n, scale, out);
+    case 5: return scores16_v<5>(qv, ks, row, n, scale, out);
+    case 6: return scores16_v<6>(qv, ks, row, n, scale, out);
+    case 7: return scores16_v<7>(qv, ks, row, n, scale, out);
+    case 8: return scores16_v<8>(qv, ks, row, n, scale, out);
+    case 9: return scores16_v<9>(qv, ks, row, n, scale, out);
+    case 10: return scores16_v<10>(qv, ks, row, n, scale, out);
+    case 11: return scores16_v<11>(qv, ks, row, n, scale, out);
+    case 12: return scores16_v<12>(qv, ks, row, n, scale, out);
+    case 13: return scores16_v<13>(qv, ks, row, n, scale, out);
+    case 14: return scores16_v<14>(qv, ks, row, n, scale, out);
+    case 15: return scores16_v<15>(qv, ks, row, n, scale, out);
+    case 16: return scores16_v<16>(qv, ks, row, n, scale, out);
+    default:
+      for (int j = 0; j < n; ++j) out[j] = dot_row(qv, ks + j * row, D) * scale;
+  }
+}
+
+// acc[qi][0, 8 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s, den[qi] += p[qi][s], one
+// query at a time with its accumulators in registers (VD <= 8): the same fused multiply-adds in the
+// same order as pv_by_rows' axpy, so the same bits, without a load and a store of acc a slot.
+template <int VD>
+void pv_regs(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, float* acc,
+             float* den) {
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    __m256 a[VD];
+    for (int j = 0; j < VD; ++j) a[j] = _mm256_loadu_ps(acc + qi * VD * 8 + 8 * j);
+    float dn = den[qi];
+    const float* pq = p + qi * sp;
+    for (int64_t s = 0; s < s_end; ++s) {
+      const float w = pq[s];
+      if (w == 0.0f) continue;
+      const __m256 wv = _mm256_set1_ps(w);
+      const float* vs = vb + s * row;
+      for (int j = 0; j < VD; ++j) a[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + 8 * j), a[j]);
+      dn += w;
+    }
+    for (int j = 0; j < VD; ++j) _mm256_storeu_ps(acc + qi * VD * 8 + 8 * j, a[j]);
+    den[qi] = dn;
+  }
 }
 
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
                float* acc, float* den) {
-  pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den);
+  switch (D % 8 ? 0 : D / 8) {
+    case 1: return pv_regs<1>(p, sp, Q, vb, row, s_end, acc, den);
+    case 2: return pv_regs<2>(p, sp, Q, vb, row, s_end, acc, den);
+    case 3: return pv_regs<3>(p, sp, Q, vb, row, s_end, acc, den);
+    case 4: return pv_regs<4>(p, sp, Q, vb, row, s_end, acc, den);
+    case 5: return pv_regs<5>(p, sp, Q, vb, row, s_end, acc, den);
+    case 6: return pv_regs<6>(p, sp, Q, vb, row, s_end, acc, den);
+    case 7: return pv_regs<7>(p, sp, Q, vb, row, s_end, acc, den);
+    case 8: return pv_regs<8>(p, sp, Q, vb, row, s_end, acc, den);
+    default: return pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den);
+  }
 }
 #endif
 
