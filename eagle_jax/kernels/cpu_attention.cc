@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -52,6 +53,19 @@ inline void pv_by_rows(const float* p, int64_t sp, int64_t Q, const float* vb, i
         den[qi] += w;
       }
     }
+}
+
+// f(std::integral_constant<int, V>{}) for the V in [1, N] equal to v, else fallback(): picks the
+// instance of a kernel templated on the vectors a head holds (VD) from a run-time D.
+template <int V, int N, class F, class G>
+inline void with_vectors(int64_t v, F&& f, G&& fallback) {
+  if constexpr (V > N) {
+    fallback();
+  } else if (v == V) {
+    f(std::integral_constant<int, V>{});
+  } else {
+    with_vectors<V + 1, N>(v, f, fallback);
+  }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
@@ -156,17 +170,8 @@ void pv_all(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row,
 // axpy row by row. Either way each query's sum runs over the slots in ascending order.
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
                float* acc, float* den) {
-  switch (D % 16 ? 0 : D / 16) {
-    case 1: return pv_all<1>(p, sp, Q, vb, row, s_end, acc, den);
-    case 2: return pv_all<2>(p, sp, Q, vb, row, s_end, acc, den);
-    case 3: return pv_all<3>(p, sp, Q, vb, row, s_end, acc, den);
-    case 4: return pv_all<4>(p, sp, Q, vb, row, s_end, acc, den);
-    case 5: return pv_all<5>(p, sp, Q, vb, row, s_end, acc, den);
-    case 6: return pv_all<6>(p, sp, Q, vb, row, s_end, acc, den);
-    case 7: return pv_all<7>(p, sp, Q, vb, row, s_end, acc, den);
-    case 8: return pv_all<8>(p, sp, Q, vb, row, s_end, acc, den);
-    default: return pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den);
-  }
+  with_vectors<1, 8>(D % 16 ? 0 : D / 16, [&](auto vd) { pv_all<vd.value>(p, sp, Q, vb, row, s_end, acc, den); },
+                     [&] { pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den); });
 }
 #else
 // ---------------------------------------------------------------- AVX2 + FMA: 8-float vectors
@@ -244,26 +249,9 @@ inline void scores16_v(const float* qv, const float* ks, int64_t row, int n, flo
 // The AVX-512 path's interface: 8 dots at a time where D is 8, 16, ..., 128; else one dot at a
 // time. Either way a dot's value does not depend on its slot or on the other slots.
 inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64_t D, float scale, float* out) {
-  switch (D % 8 ? 0 : D / 8) {
-    case 1: return scores16_v<1>(qv, ks, row, n, scale, out);
-    case 2: return scores16_v<2>(qv, ks, row, n, scale, out);
-    case 3: return scores16_v<3>(qv, ks, row, n, scale, out);
-    case 4: return scores16_v<4>(qv, ks, row, n, scale, out);
-    case 5: return scores16_v<5>(qv, ks, row, n, scale, out);
-    case 6: return scores16_v<6>(qv, ks, row, n, scale, out);
-    case 7: return scores16_v<7>(qv, ks, row, n, scale, out);
-    case 8: return scores16_v<8>(qv, ks, row, n, scale, out);
-    case 9: return scores16_v<9>(qv, ks, row, n, scale, out);
-    case 10: return scores16_v<10>(qv, ks, row, n, scale, out);
-    case 11: return scores16_v<11>(qv, ks, row, n, scale, out);
-    case 12: return scores16_v<12>(qv, ks, row, n, scale, out);
-    case 13: return scores16_v<13>(qv, ks, row, n, scale, out);
-    case 14: return scores16_v<14>(qv, ks, row, n, scale, out);
-    case 15: return scores16_v<15>(qv, ks, row, n, scale, out);
-    case 16: return scores16_v<16>(qv, ks, row, n, scale, out);
-    default:
-      for (int j = 0; j < n; ++j) out[j] = dot_row(qv, ks + j * row, D) * scale;
-  }
+  with_vectors<1, 16>(D % 8 ? 0 : D / 8, [&](auto vd) { scores16_v<vd.value>(qv, ks, row, n, scale, out); }, [&] {
+    for (int j = 0; j < n; ++j) out[j] = dot_row(qv, ks + j * row, D) * scale;
+  });
 }
 
 // acc[qi][0, 8 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s, den[qi] += p[qi][s], one
@@ -292,17 +280,8 @@ void pv_regs(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row
 
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
                float* acc, float* den) {
-  switch (D % 8 ? 0 : D / 8) {
-    case 1: return pv_regs<1>(p, sp, Q, vb, row, s_end, acc, den);
-    case 2: return pv_regs<2>(p, sp, Q, vb, row, s_end, acc, den);
-    case 3: return pv_regs<3>(p, sp, Q, vb, row, s_end, acc, den);
-    case 4: return pv_regs<4>(p, sp, Q, vb, row, s_end, acc, den);
-    case 5: return pv_regs<5>(p, sp, Q, vb, row, s_end, acc, den);
-    case 6: return pv_regs<6>(p, sp, Q, vb, row, s_end, acc, den);
-    case 7: return pv_regs<7>(p, sp, Q, vb, row, s_end, acc, den);
-    case 8: return pv_regs<8>(p, sp, Q, vb, row, s_end, acc, den);
-    default: return pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den);
-  }
+  with_vectors<1, 8>(D % 8 ? 0 : D / 8, [&](auto vd) { pv_regs<vd.value>(p, sp, Q, vb, row, s_end, acc, den); },
+                     [&] { pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den); });
 }
 #endif
 
