@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.kernels import cpu_matmul as cm
+from eagle_jax.kernels import cpu_qx
 from eagle_jax.models.checkpoint import load_hf_dir
 from decode_util import decode
 from gguf import GGMLQuantizationType, quants
@@ -152,9 +153,10 @@ def test_b16_packing_rounds_to_nearest_even_and_checks_shapes(monkeypatch):
     assert "b16" not in held["a"] and "b16" in held["b"]  # rows too long for the kernel keep float32
     with pytest.raises(ValueError, match="do not fit"):
         cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 80)
-    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else "i8" if cm.i8_available() else "q8_0")
+    qx = "q8_0x8" if cpu_qx.available() else "q8_0"
+    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else "i8" if cm.i8_available() else qx)
     monkeypatch.setitem(cm._state, "b16", False)  # a CPU without AVX512-BF16
-    assert resolve_draft_rows("auto") == ("i8" if cm.i8_available() else "q8_0")
+    assert resolve_draft_rows("auto") == ("i8" if cm.i8_available() else qx)
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         resolve_draft_rows("b16")
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
@@ -225,6 +227,8 @@ def test_i8_packing_checks_shapes_and_availability(monkeypatch):
         cm.imatmul(jnp.zeros((1, 16)), jnp.asarray(packed), jnp.asarray(scales), 80)
     monkeypatch.setitem(cm._state, "i8", False)  # a CPU without AVX512-VNNI (nor AVX512-BF16)
     monkeypatch.setitem(cm._state, "b16", False)
+    assert resolve_draft_rows("auto") == ("q8_0x8" if cpu_qx.available() else "q8_0")  # AVX2's int8 rows
+    monkeypatch.setitem(cm._state, "qx", False)  # nor int8 rows of x
     assert resolve_draft_rows("auto") == "q8_0"
     with pytest.raises(RuntimeError, match="AVX512-VNNI"):
         resolve_draft_rows("i8")
