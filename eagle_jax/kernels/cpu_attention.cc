@@ -460,15 +460,25 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   job->q = q.typed_data(); job->k = k.typed_data(); job->v = v.typed_data();
   job->mask = mask.typed_data(); job->out = out->typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // One query of a short cache (a one-row decoding step) runs inline: waking a helper costs more
-  // than the work. Anything more takes the pool's threads, also to keep them awake: a helper idle
+  // AVX-512 build: one query of a short cache (a one-row decoding step) runs inline, as measured on
+  // the Xeon VM (stop 48): waking a helper cost more than the work. AVX2 build: every call takes
+  // the pool, as measured on the Zen 4 VM (stop 63): with one query the keys and values stream
+  // from L3 at about 18 GB/s on one core, and two cores took SmolLM2's attention from 16.8 to 12.1
+  // us a layer at 200 visible slots (no slower at 8: 2.0 against 2.0); plain decoding went from
+  // 136 / 134 / 137 to 149 / 156 / 157 tok/s (8 + 8 held-out prompts, in turns), EAGLE-3 from
+  // 174 / 188 / 187 to 186 / 188 / 192.
+  // Anything more takes the pool's threads, also to keep them awake: a helper idle
   // through a long inline attention wakes late for the o_proj product that follows, which then
   // runs on one thread (a 5-token tree's o_proj took 61 µs a layer against 33 with the helper kept
   // busy; a plain step of 4 rows 20.3-22.1 ms against 18.3-19.9; the 2-core Xeon VM, stop 48).
   // A tree's queries are cut into blocks so that every thread gets about two tasks: 3 KV heads
   // over 2 threads took two rounds of whole heads. With that and the 16-slot scores, a 5-token
   // tree's attention takes 22 µs a layer against 35 (the 2-core Xeon VM, stop 49).
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
   const bool inline_only = job->B * job->T == 1 && job->S < 4096;
+#else
+  const bool inline_only = false;
+#endif
   if (!inline_only) job->parts = std::min<int64_t>(job->T, (2 * threads + job->B * job->Hkv - 1) / (job->B * job->Hkv));
   const int64_t tasks = job->B * job->Hkv * job->parts;
   const int64_t helpers = inline_only ? 0 : std::min<int64_t>(threads, tasks) - 1;
