@@ -292,7 +292,9 @@ void pv_regs(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row
 // keeps its own chain, in the same order as scores8 and pv_regs: the same bits (checked against
 // the code before on 30 shapes, G 1-4, D 32-128, 1-5 queries). SmolLM2's attention, 200 visible
 // slots, a layer (the Zen 4 VM, AVX2, best of 200, in turns): 1 query 18.4 -> 16.8 us, 3 queries
-// 29.3 -> 26.7, 4 queries 34.0 -> 30.7.
+// 29.3 -> 26.7, 4 queries 34.0 -> 30.7. p @ v also keeps D up to 128 in registers now (pv_q3 takes
+// 4 vectors of d a pass), where D = 72-128 went row by row through axpy (the same bits): D = 128,
+// 32 heads on 8, 300 slots, 3 queries about 360 -> 280 us a layer (noisy runs).
 
 // scores8 for three queries: slots in two halves of 4 (3 x 4 accumulators, the 3 queries' vectors
 // of d and one key vector in registers), then each query's 8 dots through hsum8. Slots j >= n
@@ -363,7 +365,7 @@ void pv_q3(const float* p, int64_t sp, const float* vb, int64_t row, int64_t s_e
 
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
                float* acc, float* den) {
-  with_vectors<1, 8>(D % 8 ? 0 : D / 8, [&](auto vd) {
+  with_vectors<1, 16>(D % 8 ? 0 : D / 8, [&](auto vd) {
     constexpr int VD = vd.value, C = VD % 4 == 0 ? 4 : VD % 2 == 0 ? 2 : 1;
     int64_t qi = 0;
     for (; qi + 3 <= Q; qi += 3) pv_q3<VD, C>(p + qi * sp, sp, vb, row, s_end, acc + qi * D, den + qi);
