@@ -127,13 +127,14 @@ inline void scores16(const float* qv, const float* ks, int64_t row, int n, int64
   _mm512_storeu_ps(out, _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
 }
 
-// p[qi][s] = (q_qi · k_s) * scale for s < s_end, each query's row sp floats (the rest unspecified).
-inline void scores_rows(const float* const* qv, int64_t Q, const float* kb, int64_t row, int64_t s_end, int64_t sp,
-                        int64_t D, float scale, float* p) {
-  for (int64_t qi = 0; qi < Q; ++qi)
-    for (int64_t s0 = 0; s0 < s_end; s0 += 16)
-      scores16(qv[qi], kb + s0 * row, row, (int)std::min<int64_t>(16, s_end - s0), D, scale, p + qi * sp + s0);
+// scores_rows' queries taken together (none here: scores16 a query at a time); returns how many.
+inline int64_t scores_grouped(const float* const*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float,
+                              float*) {
+  return 0;
 }
+
+// A single query (a one-row decoding step) of a short cache runs inline (Attention).
+constexpr bool kOneQueryInline = true;
 
 // acc[qi][0, 16 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s for NQ queries, and
 // den[qi] += p[qi][s], skipping zero weights as pv_by_rows does; the accumulators stay in
@@ -322,9 +323,10 @@ inline void scores8_q3(const float* const* qv, const float* ks, int64_t row, int
   for (int i = 0; i < 3; ++i) _mm256_storeu_ps(out[i], _mm256_mul_ps(hsum8(v[i]), _mm256_set1_ps(scale)));
 }
 
-inline void scores_rows(const float* const* qv, int64_t Q, const float* kb, int64_t row, int64_t s_end, int64_t sp,
-                        int64_t D, float scale, float* p) {
-  int64_t q3 = 0;  // queries [0, q3) three at a time where D is 8, 16, ..., 128
+// scores_rows' queries taken together: three at a time where D is 8, 16, ..., 128; returns how many.
+inline int64_t scores_grouped(const float* const* qv, int64_t Q, const float* kb, int64_t row, int64_t s_end,
+                              int64_t sp, int64_t D, float scale, float* p) {
+  int64_t q3 = 0;
   with_vectors<1, 16>(D % 8 ? 0 : D / 8, [&](auto vd) {
     for (; q3 + 3 <= Q; q3 += 3)
       for (int64_t s0 = 0; s0 < s_end; s0 += 8) {
@@ -332,20 +334,18 @@ inline void scores_rows(const float* const* qv, int64_t Q, const float* kb, int6
         scores8_q3<vd.value>(qv + q3, kb + s0 * row, row, (int)std::min<int64_t>(8, s_end - s0), scale, out);
       }
   }, [] {});
-  for (int64_t qi = q3; qi < Q; ++qi)
-    for (int64_t s0 = 0; s0 < s_end; s0 += 16)
-      scores16(qv[qi], kb + s0 * row, row, (int)std::min<int64_t>(16, s_end - s0), D, scale, p + qi * sp + s0);
+  return q3;
 }
 
 // pv_regs for three queries: C vectors of d at a time (3 x C accumulators), each value row read
 // from L2 once for the three (then from L1), the denominators summed on the first pass.
 template <int VD, int C>
 void pv_q3(const float* p, int64_t sp, const float* vb, int64_t row, int64_t s_end, float* acc, float* den) {
+  float dn[3] = {den[0], den[1], den[2]};
   for (int c = 0; c < VD; c += C) {
     __m256 a[3][C];
     for (int i = 0; i < 3; ++i)
       for (int j = 0; j < C; ++j) a[i][j] = _mm256_loadu_ps(acc + i * VD * 8 + 8 * (c + j));
-    float dn[3] = {den[0], den[1], den[2]};
     for (int64_t s = 0; s < s_end; ++s) {
       const float* vs = vb + s * row + 8 * c;
       for (int i = 0; i < 3; ++i) {
@@ -353,14 +353,13 @@ void pv_q3(const float* p, int64_t sp, const float* vb, int64_t row, int64_t s_e
         if (w == 0.0f) continue;
         const __m256 wv = _mm256_set1_ps(w);
         for (int j = 0; j < C; ++j) a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + 8 * j), a[i][j]);
-        dn[i] += w;
+        if (c == 0) dn[i] += w;
       }
     }
     for (int i = 0; i < 3; ++i)
       for (int j = 0; j < C; ++j) _mm256_storeu_ps(acc + i * VD * 8 + 8 * (c + j), a[i][j]);
-    if (c == 0)
-      for (int i = 0; i < 3; ++i) den[i] = dn[i];
   }
+  for (int i = 0; i < 3; ++i) den[i] = dn[i];
 }
 
 inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t row, int64_t s_end, int64_t D,
@@ -372,7 +371,19 @@ inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t r
     pv_regs<VD>(p + qi * sp, sp, Q - qi, vb, row, s_end, acc + qi * D, den + qi);
   }, [&] { pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den); });
 }
+
+// Every call takes the pool's threads, a single query too (Attention).
+constexpr bool kOneQueryInline = false;
 #endif
+
+// p[qi][s] = (q_qi · k_s) * scale for s < s_end, each query's row sp floats (the rest unspecified):
+// the queries scores_grouped takes, then the others one at a time.
+inline void scores_rows(const float* const* qv, int64_t Q, const float* kb, int64_t row, int64_t s_end, int64_t sp,
+                        int64_t D, float scale, float* p) {
+  for (int64_t qi = scores_grouped(qv, Q, kb, row, s_end, sp, D, scale, p); qi < Q; ++qi)
+    for (int64_t s0 = 0; s0 < s_end; s0 += 16)
+      scores16(qv[qi], kb + s0 * row, row, (int)std::min<int64_t>(16, s_end - s0), D, scale, p + qi * sp + s0);
+}
 
 struct Job {
   const float *q, *k, *v;
@@ -476,11 +487,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   // A tree's queries are cut into blocks so that every thread gets about two tasks: 3 KV heads
   // over 2 threads took two rounds of whole heads. With that and the 16-slot scores, a 5-token
   // tree's attention takes 22 µs a layer against 35 (the 2-core Xeon VM, stop 49).
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(EAGLE_JAX_FORCE_AVX2)
-  const bool inline_only = job->B * job->T == 1 && job->S < 4096;
-#else
-  const bool inline_only = false;
-#endif
+  const bool inline_only = kOneQueryInline && job->B * job->T == 1 && job->S < 4096;
   if (!inline_only) job->parts = std::min<int64_t>(job->T, (2 * threads + job->B * job->Hkv - 1) / (job->B * job->Hkv));
   const int64_t tasks = job->B * job->Hkv * job->parts;
   const int64_t helpers = inline_only ? 0 : std::min<int64_t>(threads, tasks) - 1;
