@@ -79,6 +79,37 @@ def parse_prefill_chunk(spec: Optional[str]):
     return (big, tail) if tail else big
 
 
+# Model types whose directories `AutoTokenizer` loads as `TokenizersBackend` when their
+# tokenizer_config.json names that class (tests/test_tokenizer_load.py checks each against it; qwen2
+# is not one: AutoTokenizer gives it Qwen2Tokenizer).
+BACKEND_TOKENIZER_TYPES = ("llama", "mistral", "qwen3")
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer `transformers.AutoTokenizer.from_pretrained(path)` gives, without its detour
+    through the model configs where the directory settles the class: a tokenizer_config.json naming
+    `TokenizersBackend` (what transformers writes, e.g. for a converted GGUF) with a tokenizer.json,
+    no custom code, and a model type in `BACKEND_TOKENIZER_TYPES`. AutoTokenizer imports every
+    model config on the way, and PyTorch where it is installed: 4-5 s of each start on the Zen 4 VM
+    with torch (stop 64), about 0.6 s without; `TokenizersBackend` alone takes under 1 s. Any other
+    directory goes through AutoTokenizer."""
+    path = Path(path)
+    try:
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        tok_cfg, model_type = {}, None
+    if (isinstance(tok_cfg, dict) and tok_cfg.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in tok_cfg and model_type in BACKEND_TOKENIZER_TYPES
+            and (path / "tokenizer.json").is_file()):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def default_drafter_path(model_spec: str, kind: str) -> Optional[Path]:
     """The packaged drafter for a model alias, if one ships with eagle_jax."""
     root = Path(__file__).parent / "assets" / "drafters" / f"{model_spec}-{kind}"
@@ -158,11 +189,11 @@ class Engine:
                  method: str = "vanilla", drafter: Optional[str] = None, budget: Optional[TreeBudget] = None,
                  progress: bool = True, layers: str = "auto", compile_cache: bool = True, matmul: str = "auto",
                  draft_rows: str = "auto", activations: str = "auto"):
-        from transformers import AutoTokenizer
-
         from .kernels.cpu_matmul import ANY_ROWS, resolve_matmul_impl
+        from .models.checkpoint import read_safetensors_dir
         from .models.quantized import (ACTIVATIONS, DRAFT_ROWS, attach_gguf_blocks, drop_shadowed_kernels,
-                                       regroup_for_int8, resolve_activations, resolve_draft_rows)
+                                       gguf_kernel_paths, kernels_without_blocks, regroup_for_int8,
+                                       resolve_activations, resolve_draft_rows)
         from .models.registry import model_gguf
 
         check_layer_layout(layers)  # before any loading
@@ -180,32 +211,41 @@ class Engine:
         self.model_spec = model
         self.path = Path(resolve_model(model, progress=progress))
         t0 = time.perf_counter()
-        self.cfg, self.params = load_hf_dir(self.path, dtype=dtype, attention_impl=attention)
-        self.cfg = self.cfg.replace(matmul_impl=resolve_matmul_impl(matmul))
-        self.quantized = False
-        if self.cfg.matmul_impl == "cpu_kernel":
+        matmul_impl, gguf, omit = resolve_matmul_impl(matmul), None, ()
+        if matmul_impl == "cpu_kernel":
             self.draft_rows = resolve_draft_rows(draft_rows)
-            say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
             try:  # the GGUF may be gone from the cache while its conversion stays: fall back, say so
                 gguf = model_gguf(model)
             except Exception as e:  # noqa: BLE001 - any failure to find the file only costs speed
-                gguf = None
                 print(f"[eagle_jax] not using GGUF blocks: the GGUF behind {model!r} is unavailable ({e})",
                       file=sys.stderr)
-            if gguf is not None:
+            if gguf is not None and resolve_activations(activations) == "int8":
+                # the float32 layer weights that the GGUF blocks replace are dropped below unread:
+                # not loading them saves 1.5-2 s of a start (SmolLM2, the Zen 4 VM, stop 64)
+                omit = gguf_kernel_paths()
+        self.cfg, self.params = load_hf_dir(self.path, omit=omit, dtype=dtype, attention_impl=attention)
+        self.cfg = self.cfg.replace(matmul_impl=matmul_impl)
+        self.quantized = False
+        if gguf is not None:
+            say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
+            _, get = read_safetensors_dir(self.path)
+            self.params = attach_gguf_blocks(self.params, self.cfg, gguf, check="rows", log=say, reference=get)
+            if kernels_without_blocks(self.params, omit):  # some were not replaced: load everything
+                self.cfg, self.params = load_hf_dir(self.path, dtype=dtype, attention_impl=attention)
+                self.cfg = self.cfg.replace(matmul_impl=matmul_impl)
                 self.params = attach_gguf_blocks(self.params, self.cfg, gguf, check="rows", log=say)
-                self.quantized = True
-                self.activations = resolve_activations(activations)
-                if self.activations == "int8":
-                    self.params = regroup_for_int8(self.params)
-                    # every product and attention block through the kernels, prefill chunks included:
-                    # XLA's float32 GEMM there would give a prompt other keys than the int8 products
-                    # of a decoding step, and a batch's (or chunk's) size would decide which a token got
-                    self.cfg = self.cfg.replace(kernel_rows=ANY_ROWS)
-                    self.params = drop_shadowed_kernels(self.params)  # never read now: 425 MB on SmolLM2
+            self.quantized = True
+            self.activations = resolve_activations(activations)
+            if self.activations == "int8":
+                self.params = regroup_for_int8(self.params)
+                # every product and attention block through the kernels, prefill chunks included:
+                # XLA's float32 GEMM there would give a prompt other keys than the int8 products
+                # of a decoding step, and a batch's (or chunk's) size would decide which a token got
+                self.cfg = self.cfg.replace(kernel_rows=ANY_ROWS)
+                self.params = drop_shadowed_kernels(self.params)  # never read now: 425 MB on SmolLM2
         self.params = with_layer_layout(self.params, layers)
         self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.tokenizer = load_tokenizer(self.path)
         if progress:
             print(f"[eagle_jax] loaded {self.path.name} ({self.cfg.family}, {self.cfg.num_layers} layers, "
                   f"{dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)

@@ -60,7 +60,6 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -468,7 +467,7 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
-        node[keys[-1]] = jnp.asarray(arr)
+        node[keys[-1]] = jax.device_put(arr)
 
     d2t = None
     if cfg.kind == "eagle3":
@@ -489,7 +488,7 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
             t2d = fetch("t2d", (v,)).astype(bool)
             if t2d.sum() != vd or not t2d[target_ids].all():
                 raise CheckpointError("tensors 't2d' and 'd2t' disagree on which target tokens the draft vocab holds")
-        d2t = jnp.asarray(d2t, jnp.int32)
+        d2t = jax.device_put(np.asarray(d2t, np.int32))
     if lc.matmul_impl == "cpu_kernel":  # compact rows for the kernel (models/quantized.py)
         from ..models.quantized import attach_draft_rows
 

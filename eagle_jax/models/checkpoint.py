@@ -63,9 +63,12 @@ def _hf_name(keys, shape):
 
 
 def params_from_hf_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray] | Mapping[str, np.ndarray],
-                              names=None, dtype=None):
+                              names=None, dtype=None, omit=()):
     """Build params from HF tensors. `get` is a mapping or a callable name → array; `names` the
-    available names (defaults to the mapping's keys). Raises CheckpointError naming the tensor."""
+    available names (defaults to the mapping's keys). Raises CheckpointError naming the tensor.
+    `omit`: param paths of stacked layer leaves (e.g. ("layers", "mlp", "up_proj", "kernel")) that
+    are required in the checkpoint but not read: each becomes an empty [L, 0] placeholder, as
+    `models.quantized.drop_shadowed_kernels` leaves the float32 weights that GGUF blocks replace."""
     if names is None:
         names = list(get.keys())
     fetch = get.__getitem__ if isinstance(get, Mapping) else get
@@ -85,7 +88,13 @@ def params_from_hf_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
                               f"(qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, tied={cfg.tie_word_embeddings})")
     dt = np.dtype(dtype or cfg.dtype) if (dtype or cfg.dtype) != "bfloat16" else jax.numpy.bfloat16
     flat: dict[tuple, np.ndarray] = {}
+    omit = set(omit)
     for name, hf_shape, (keys, layer) in layout:
+        if keys in omit:
+            if layer is None:
+                raise ValueError(f"only stacked layer leaves can be omitted, not {keys}")
+            flat.setdefault(keys, np.zeros((cfg.num_layers, 0), dt))
+            continue
         arr = np.asarray(fetch(name))
         if tuple(arr.shape) != tuple(hf_shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_shape)}")
@@ -102,7 +111,7 @@ def params_from_hf_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
-        node[keys[-1]] = jax.numpy.asarray(arr)
+        node[keys[-1]] = jax.device_put(arr)  # not jnp.asarray: that compiles a program per shape
     return params
 
 
@@ -146,15 +155,16 @@ def read_safetensors_dir(path: str | os.PathLike):
     return list(weight_map), lambda name: handles[weight_map[name]].get_tensor(name)
 
 
-def load_hf_dir(path: str | os.PathLike, **config_overrides):
-    """Load (cfg, params) from a HF directory with config.json and safetensors weights."""
+def load_hf_dir(path: str | os.PathLike, omit=(), **config_overrides):
+    """Load (cfg, params) from a HF directory with config.json and safetensors weights (`omit`:
+    stacked layer leaves left unread, as `params_from_hf_state_dict` says)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path} has no config.json")
     cfg = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), **config_overrides)
     names, get = read_safetensors_dir(path)
-    return cfg, params_from_hf_state_dict(cfg, get, names)
+    return cfg, params_from_hf_state_dict(cfg, get, names, omit=omit)
 
 
 def save_hf_dir(path: str | os.PathLike, cfg: ModelConfig, params, extra_config: dict | None = None):

@@ -24,12 +24,16 @@ import os
 import time
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..kernels.cpu_matmul import QUANT_BLOCK_BYTES, block_scales, quant_kind
 from .config import ModelConfig
 from .gguf_loader import GGUFModel, _unpermute_rows
+
+# Host arrays become device arrays through jax.device_put, not jnp.asarray: JAX 0.10's jnp.asarray compiles
+# a program per shape, about 60 of them at an Engine's start (1-1.5 s, read from the compilation cache).
 
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
@@ -50,7 +54,8 @@ def _fuse(group: dict, fused: str, names: tuple[str, ...]) -> dict:
     kind = kinds.pop()
     keys = (kind, f"{kind}_scales")
     out = dict(group)
-    out[fused] = {key: jnp.concatenate([group[n][key] for n in names], axis=1) for key in keys}
+    out[fused] = {key: jax.device_put(np.concatenate([np.asarray(group[n][key]) for n in names], axis=1))
+                  for key in keys}
     for n in names:
         out[n] = {k: v for k, v in group[n].items() if k not in keys}
     return out
@@ -105,12 +110,15 @@ def _check(name: str, kind: str, rows: np.ndarray, want_nk: np.ndarray, sample: 
 
 
 def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *, check: str = "all",
-                       log: Optional[Callable[[str], None]] = None):
+                       log: Optional[Callable[[str], None]] = None,
+                       reference: Optional[Callable[[str], np.ndarray]] = None):
     """`params` (stacked layers, as `load_hf_dir` returns them) with the GGUF's quantized blocks
     added beside every float32 weight they reproduce. check: "all" (every row of every tensor),
     "rows" (a spread of `CHECK_ROWS` rows of every tensor: another file's or a misplaced tensor's
     blocks fail it, in a hundredth of the time; what `Engine` uses), "first" (layer 0 and the
-    embedding) or "none". Returns a new dict; the input is not modified."""
+    embedding) or "none". `reference` (HF name → the checkpoint's [out, in] weights) is what the
+    check compares with where `params` hold a placeholder (`load_hf_dir(omit=...)`, see
+    `gguf_kernel_paths`). Returns a new dict; the input is not modified."""
     if check not in ("all", "rows", "first", "none"):
         raise ValueError(f"check must be 'all', 'rows', 'first' or 'none', got {check!r}")
     t0 = time.perf_counter()
@@ -131,15 +139,21 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
             if check in ("all", "rows") or (check == "first" and i == 0):
                 if stacked is None:
                     stacked = np.asarray(params["layers"][group][name]["kernel"])
-                _check(hf, kind, rows, stacked[i].T, sample=check == "rows")
+                if stacked.size:
+                    want = stacked[i].T
+                elif reference is None:
+                    raise ValueError(f"the float32 weights of {hf!r} were not loaded: pass reference= to check them")
+                else:
+                    want = reference(hf)
+                _check(hf, kind, rows, want, sample=check == "rows")
             per_layer.append((kind, rows))
         if not per_layer or len({k for k, _ in per_layer}) != 1:
             continue  # unquantized, or mixed types across layers: the float32 path
         kind = per_layer[0][0]
         sub = dict(layers[group])
-        sub[name] = dict(sub[name], **{kind: jnp.asarray(np.stack([r for _, r in per_layer])),
-                                       f"{kind}_scales": jnp.asarray(np.stack([block_scales(r, kind)
-                                                                               for _, r in per_layer]))})
+        sub[name] = dict(sub[name], **{kind: jax.device_put(np.stack([r for _, r in per_layer])),
+                                       f"{kind}_scales": jax.device_put(np.stack([block_scales(r, kind)
+                                                                                  for _, r in per_layer]))})
         layers[group] = sub
         n_bytes += sum(r.nbytes for _, r in per_layer) + sub[name][f"{kind}_scales"].nbytes
     for group, fused, names in _FUSED:
@@ -153,7 +167,8 @@ def attach_gguf_blocks(params, cfg: ModelConfig, gguf_path: str | os.PathLike, *
         want = params[key]["embedding"] if cfg.tie_word_embeddings else np.asarray(params[key]["kernel"]).T
         if check != "none":
             _check(head, kind, rows, np.asarray(want), sample=check == "rows")
-        out[key] = dict(params[key], **{kind: jnp.asarray(rows), f"{kind}_scales": jnp.asarray(block_scales(rows, kind))})
+        out[key] = dict(params[key], **{kind: jax.device_put(rows),
+                                        f"{kind}_scales": jax.device_put(block_scales(rows, kind))})
         n_bytes += rows.nbytes + out[key][f"{kind}_scales"].nbytes
     if log:
         log(f"attached {n_bytes / 2**20:.0f} MiB of GGUF blocks and scales from {os.path.basename(str(gguf_path))} "
@@ -208,7 +223,7 @@ def regroup_for_int8(params):
         kind = quant_kind(node)
         if kind in QUANT_BLOCK_BYTES and node[kind].shape[-2] % COLS == 0:
             del out[kind], out[f"{kind}_scales"]
-            out[f"{kind}x8"] = jnp.asarray(regroup(np.asarray(node[kind]), f"{kind}x8"))
+            out[f"{kind}x8"] = jax.device_put(regroup(np.asarray(node[kind]), f"{kind}x8"))
         return out
 
     return _map_nodes(params, visit)
@@ -224,7 +239,9 @@ def drop_shadowed_kernels(params):
     error), never compute with the wrong weights. Embeddings stay (token lookups read them)."""
 
     def empty(a):  # [K, N] -> [0]; stacked [L, K, N] -> [L, 0] (the layout's leading axis stays)
-        return jnp.zeros((*a.shape[:-2], 0), a.dtype)
+        if a.size == 0:  # already a placeholder (`load_hf_dir(omit=...)`)
+            return a
+        return jax.device_put(np.zeros((*a.shape[:-2], 0), a.dtype))
 
     def strip(node: dict) -> dict:
         return {k: empty(v) if k == "kernel" else v for k, v in node.items()}
@@ -236,6 +253,27 @@ def drop_shadowed_kernels(params):
         return strip(out) if "kernel" in out and quant_kind(out) is not None else out
 
     return _map_nodes(params, visit)
+
+
+def gguf_kernel_paths() -> tuple[tuple[str, ...], ...]:
+    """The param paths of the stacked float32 layer weights that GGUF blocks can replace: what an
+    Engine under int8 rows of x need not read at all (`load_hf_dir(omit=...)`; the blocks are checked
+    against the checkpoint's tensors instead, `attach_gguf_blocks(reference=...)`), provided every
+    one of them then holds blocks (`kernels_without_blocks`)."""
+    return tuple(("layers", group, name, "kernel") for group, name in _LINEARS)
+
+
+def kernels_without_blocks(params, paths) -> list[tuple[str, ...]]:
+    """Those of `paths` (`gguf_kernel_paths`) whose node holds no GGUF blocks, not even through its
+    fused group's node: products would need their float32 weights."""
+    missing = []
+    for path in paths:
+        group = params[path[0]][path[1]]
+        node, name = group[path[2]], path[2]
+        fused = [f for g, f, names in _FUSED if g == path[1] and name in names and isinstance(group.get(f), dict)]
+        if quant_kind(node) is None and not any(quant_kind(group[f]) is not None for f in fused):
+            missing.append(path)
+    return missing
 
 
 DRAFT_ROWS = ("auto", "b16", "i8", "q8_0x8", "q8_0", "q4_1", "f16")
@@ -286,8 +324,8 @@ def _attach_quant_rows(params, kind: str):
         if w.shape[0] % 32:
             return {}
         blocks = quants.quantize(np.ascontiguousarray(w.T), qt)
-        return {"kernel": jnp.asarray(np.ascontiguousarray(quants.dequantize(blocks, qt).astype(np.float32).T)),
-                kind: jnp.asarray(blocks), f"{kind}_scales": jnp.asarray(block_scales(blocks, kind))}
+        return {"kernel": jax.device_put(np.ascontiguousarray(quants.dequantize(blocks, qt).astype(np.float32).T)),
+                kind: jax.device_put(blocks), f"{kind}_scales": jax.device_put(block_scales(blocks, kind))}
 
     return _with_dense_rows(params, rows_for)
 
@@ -305,7 +343,7 @@ def attach_b16_rows(params):
         if w.shape[0] % 2 or w.shape[0] > B16_MAX_K:  # left to XLA's float32 product
             return {}
         packed = pack_b16(w)
-        return {"kernel": jnp.asarray(unpack_b16(packed, w.shape[1])), "b16": jnp.asarray(packed)}
+        return {"kernel": jax.device_put(unpack_b16(packed, w.shape[1])), "b16": jax.device_put(packed)}
 
     return _with_dense_rows(params, rows_for)
 
@@ -323,8 +361,8 @@ def attach_i8_rows(params):
         if w.shape[0] % 16 or w.shape[0] > I8_MAX_K:  # left to XLA's float32 product
             return {}
         packed, scales = pack_i8(w)
-        return {"kernel": jnp.asarray(unpack_i8(packed, scales, w.shape[1])), "i8": jnp.asarray(packed),
-                "i8_scales": jnp.asarray(scales)}
+        return {"kernel": jax.device_put(unpack_i8(packed, scales, w.shape[1])), "i8": jax.device_put(packed),
+                "i8_scales": jax.device_put(scales)}
 
     return _with_dense_rows(params, rows_for)
 
@@ -363,7 +401,7 @@ def attach_f16_rows(params):
         h = w.astype(np.float16)
         if w.shape[0] % 16 or not np.array_equal(h.astype(np.float32), w):
             return {}
-        return {"f16": jnp.asarray(np.ascontiguousarray(h.T))}
+        return {"f16": jax.device_put(np.ascontiguousarray(h.T))}
 
     return _with_dense_rows(params, rows_for)
 
