@@ -80,7 +80,7 @@ def parse_prefill_chunk(spec: Optional[str]):
 
 
 # Model types whose directories `AutoTokenizer` loads as `TokenizersBackend` when their
-# tokenizer_config.json names that class (tests/test_tokenizer_load.py checks each against it; qwen2
+# tokenizer_config.json names that class (tests/test_engine_load.py checks each against it; qwen2
 # is not one: AutoTokenizer gives it Qwen2Tokenizer).
 BACKEND_TOKENIZER_TYPES = ("llama", "mistral", "qwen3")
 
@@ -178,8 +178,8 @@ class Engine:
         block of x rounded to int8, products summed exactly in int32 by AVX512-VNNI or AVX2, the
         same results on both, as llama.cpp computes GGUF models; prefill through the kernel too, so
         a prompt's keys do not depend on its chunk or batch: 1.5-2x as fast a step, the next-token
-        loss ~0.2% higher; the float32 layer weights, then never read, are dropped: 425 MB on
-        SmolLM2) or "auto" (int8 where the kernel has them). Plain and speculative
+        loss ~0.2% higher; the float32 layer weights that the blocks replace are not even loaded:
+        425 MB on SmolLM2) or "auto" (int8 where the kernel has them). Plain and speculative
         decoding run the same products, so speculative output equals plain output either way.
         `self.activations` says which is in use ("float32" without GGUF blocks).
     """
