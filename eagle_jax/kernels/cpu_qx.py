@@ -47,7 +47,7 @@ def _weights(blocks: np.ndarray, gguf: str) -> tuple[np.ndarray, np.ndarray, np.
         qs = b[..., 4:20]
         u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # byte j holds weights j (low) and j + 16 (high)
     else:
-        u = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        u = b[..., 2:34] ^ np.uint8(0x80)  # q + 128 as a byte: the sign bit flipped
         m = (d.astype(np.float32) * np.float32(-128)).astype(np.float16)
     return u, d, m
 
