@@ -219,30 +219,33 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - any failure to find the file only costs speed
                 print(f"[eagle_jax] not using GGUF blocks: the GGUF behind {model!r} is unavailable ({e})",
                       file=sys.stderr)
-            if gguf is not None and resolve_activations(activations) == "int8":
+            if gguf is not None:
+                self.activations = resolve_activations(activations)
+            if self.activations == "int8":
                 # the float32 layer weights that the GGUF blocks replace are dropped below unread:
                 # not loading them saves 1.5-2 s of a start (SmolLM2, the Zen 4 VM, stop 64)
                 omit = gguf_kernel_paths()
-        self.cfg, self.params = load_hf_dir(self.path, omit=omit, dtype=dtype, attention_impl=attention)
-        self.cfg = self.cfg.replace(matmul_impl=matmul_impl)
-        self.quantized = False
-        if gguf is not None:
-            say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
-            _, get = read_safetensors_dir(self.path)
-            self.params = attach_gguf_blocks(self.params, self.cfg, gguf, check="rows", log=say, reference=get)
-            if kernels_without_blocks(self.params, omit):  # some were not replaced: load everything
-                self.cfg, self.params = load_hf_dir(self.path, dtype=dtype, attention_impl=attention)
-                self.cfg = self.cfg.replace(matmul_impl=matmul_impl)
-                self.params = attach_gguf_blocks(self.params, self.cfg, gguf, check="rows", log=say)
-            self.quantized = True
-            self.activations = resolve_activations(activations)
-            if self.activations == "int8":
-                self.params = regroup_for_int8(self.params)
-                # every product and attention block through the kernels, prefill chunks included:
-                # XLA's float32 GEMM there would give a prompt other keys than the int8 products
-                # of a decoding step, and a batch's (or chunk's) size would decide which a token got
-                self.cfg = self.cfg.replace(kernel_rows=ANY_ROWS)
-                self.params = drop_shadowed_kernels(self.params)  # never read now: 425 MB on SmolLM2
+        say = (lambda m: print(f"[eagle_jax] {m}", file=sys.stderr)) if progress else None
+
+        def load(omit):  # (cfg, params), with the GGUF's blocks attached where there is one
+            cfg, params = load_hf_dir(self.path, omit=omit, dtype=dtype, attention_impl=attention)
+            cfg = cfg.replace(matmul_impl=matmul_impl)
+            if gguf is not None:
+                _, get = read_safetensors_dir(self.path)
+                params = attach_gguf_blocks(params, cfg, gguf, check="rows", log=say, reference=get)
+            return cfg, params
+
+        self.cfg, self.params = load(omit)
+        if kernels_without_blocks(self.params, omit):  # some were not replaced by blocks: read everything
+            self.cfg, self.params = load(())
+        self.quantized = gguf is not None
+        if self.activations == "int8":
+            self.params = regroup_for_int8(self.params)
+            # every product and attention block through the kernels, prefill chunks included:
+            # XLA's float32 GEMM there would give a prompt other keys than the int8 products
+            # of a decoding step, and a batch's (or chunk's) size would decide which a token got
+            self.cfg = self.cfg.replace(kernel_rows=ANY_ROWS)
+            self.params = drop_shadowed_kernels(self.params)  # never read now: 425 MB on SmolLM2
         self.params = with_layer_layout(self.params, layers)
         self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
         self.tokenizer = load_tokenizer(self.path)

@@ -93,6 +93,18 @@ def tiny_config(arch: str = "llama", tied: bool = False, bias: bool = False) -> 
                        qkv_bias=arch == "qwen2" or bias, o_bias=bias and arch == "llama", qk_norm=arch == "qwen3")
 
 
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def block_types(cfg: ModelConfig, linear: str = "Q4_1", embedding: str = "Q8_0") -> dict[str, str]:
+    """`write_tiny_gguf`'s types for a GGUF as llama.cpp quantises one: every layer's projections in
+    `linear`, the (tied) embedding in `embedding`."""
+    types = {f"model.layers.{i}.{n}.weight": linear for i in range(cfg.num_layers) for n in LINEARS}
+    types["model.embed_tokens.weight"] = embedding
+    return types
+
+
 def hf_layout(cfg: ModelConfig) -> dict[str, tuple]:
     d, f, hq, hkv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}

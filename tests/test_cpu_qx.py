@@ -22,7 +22,7 @@ from eagle_jax.models.gguf_loader import convert_gguf_to_hf_dir
 from eagle_jax.models.quantized import (attach_gguf_blocks, drop_shadowed_kernels, regroup_for_int8,
                                        resolve_activations)
 from decode_util import decode
-from gguf_util import tiny_config, write_tiny_gguf
+from gguf_util import block_types, tiny_config, write_tiny_gguf
 
 needs_qx = pytest.mark.skipif(not cpu_qx.available(), reason="the CPU kernel has no int8 rows of x here")
 KINDS = {"q4_1x8": "Q4_1", "q8_0x8": "Q8_0"}
@@ -155,10 +155,7 @@ def test_xmatmul_checks_its_operands():
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     cfg = tiny_config("llama", tied=True)
-    types = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(cfg.num_layers)
-             for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    types["model.embed_tokens.weight"] = "Q8_0"
+    types = block_types(cfg)
     d = tmp_path_factory.mktemp("qxgguf")
     write_tiny_gguf(d / "m.gguf", cfg, types, seed=3)
     convert_gguf_to_hf_dir(d / "m.gguf", d / "hf", progress=False)

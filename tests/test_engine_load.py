@@ -22,10 +22,8 @@ from eagle_jax.models.gguf_loader import convert_gguf_to_hf_dir
 from eagle_jax.models.quantized import (QuantizedLayoutError, attach_gguf_blocks, drop_shadowed_kernels,
                                         gguf_kernel_paths, kernels_without_blocks, regroup_for_int8)
 from conftest import write_tiny_tokenizer
-from gguf_util import tiny_config, write_tiny_gguf
+from gguf_util import block_types, tiny_config, write_tiny_gguf
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
 MESSAGES = [{"role": "user", "content": "w5 w6 w7"}, {"role": "assistant", "content": "w8"},
             {"role": "user", "content": "w9 w10"}]
 
@@ -82,8 +80,7 @@ def test_tokenizer_start_imports_no_model_configs(tmp_path):
 def ggufs(tmp_path_factory):
     """A tiny GGUF with every projection in Q4_1, another whose layer-1 up_proj stays float32."""
     cfg = tiny_config("llama", tied=True)
-    types = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(cfg.num_layers) for n in LINEARS}
-    types["model.embed_tokens.weight"] = "Q8_0"
+    types = block_types(cfg)
     d = tmp_path_factory.mktemp("omit")
     write_tiny_gguf(d / "all.gguf", cfg, types, seed=3)
     write_tiny_gguf(d / "other.gguf", cfg, types, seed=4)

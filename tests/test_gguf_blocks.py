@@ -20,20 +20,15 @@ from eagle_jax.models.gguf_loader import convert_gguf_to_hf_dir
 from eagle_jax.models.quantized import QuantizedLayoutError, attach_gguf_blocks
 from gguf import GGMLQuantizationType
 from decode_util import decode
-from gguf_util import tiny_config, write_tiny_gguf
+from gguf_util import LINEARS, block_types, tiny_config, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cm.available(), reason=f"CPU matmul kernel unavailable: {cm.unavailable_reason()}")
-
-
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     cfg = tiny_config("llama", tied=True)
-    types = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(cfg.num_layers) for n in LINEARS}
-    types["model.embed_tokens.weight"] = "Q8_0"
+    types = block_types(cfg)
     d = tmp_path_factory.mktemp("qgguf")
     write_tiny_gguf(d / "m.gguf", cfg, types, seed=3)
     write_tiny_gguf(d / "other.gguf", cfg, types, seed=4)

@@ -247,12 +247,17 @@ def drop_shadowed_kernels(params):
         return {k: empty(v) if k == "kernel" else v for k, v in node.items()}
 
     def visit(node, out):
-        for _, fused, names in _FUSED:
-            if isinstance(out.get(fused), dict) and quant_kind(out[fused]) is not None:
-                out.update({n: strip(out[n]) for n in names if isinstance(out.get(n), dict)})
+        out.update({n: strip(v) for n, v in out.items() if isinstance(v, dict) and _fused_with_blocks(out, n)})
         return strip(out) if "kernel" in out and quant_kind(out) is not None else out
 
     return _map_nodes(params, visit)
+
+
+def _fused_with_blocks(group: dict, name: str) -> bool:
+    """Whether projection `name` of a layer group was fused into a node of the group (`_FUSED`) that
+    holds GGUF blocks: its products then read those, not its own weights."""
+    return any(name in names and isinstance(group.get(fused), dict) and quant_kind(group[fused]) is not None
+               for _, fused, names in _FUSED)
 
 
 def gguf_kernel_paths() -> tuple[tuple[str, ...], ...]:
@@ -268,10 +273,8 @@ def kernels_without_blocks(params, paths) -> list[tuple[str, ...]]:
     fused group's node: products would need their float32 weights."""
     missing = []
     for path in paths:
-        group = params[path[0]][path[1]]
-        node, name = group[path[2]], path[2]
-        fused = [f for g, f, names in _FUSED if g == path[1] and name in names and isinstance(group.get(f), dict)]
-        if quant_kind(node) is None and not any(quant_kind(group[f]) is not None for f in fused):
+        group, name = params[path[0]][path[1]], path[2]
+        if quant_kind(group[name]) is None and not _fused_with_blocks(group, name):
             missing.append(path)
     return missing
 
