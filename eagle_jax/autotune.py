@@ -56,7 +56,7 @@ import jax
 from .draft.drafting import TreeBudget
 from .step_profile import profile_spec_step
 
-DEFAULT_CANDIDATES = (4, 6, 8, 12, 16, 24, 32, 48)
+DEFAULT_CANDIDATES = (3, 4, 6, 8, 12, 16, 24, 32, 48)  # 3: a CPU's best, where rows cost
 DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
 DEFAULT_LOOKUPS = (0, 2, 3, 4, 6)  # prompt-lookup chain lengths
 DEFAULT_LOOKUP_NGRAMS = (1, 2, 3)  # the shortest n-gram a chain may be found by
@@ -215,7 +215,8 @@ def search_static_budgets(sizes, base: TreeBudget, measure: Callable[[TreeBudget
 
 def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudget], dict],
                    lookups=(), lookup_ngrams=()) -> tuple[TreeBudget, list]:
-    """Coordinate search over dynamic trees: every size with base's (depth, top_k, lookup), then
+    """Coordinate search over dynamic trees: every size with base's (depth, top_k, lookup; a chain
+    longer than a size's N - 2 cut to N - 2, as `engine.default_budget` cuts it), then
     every shape of `shapes` at the best size, then every chain length of `lookups` at the best tree
     (N tokens; a chain of L > N - 2 tokens, which would leave the head no node, at N + L), then, if
     the best tree has a chain, every shortest n-gram of `lookup_ngrams` for it, then every size
@@ -224,8 +225,8 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
     Returns (the best budget, the rows in measurement order)."""
     rows, seen = [], set()
 
-    def run(n, depth, top_k, lookup, min_ngram):
-        budget = _valid(n, depth, top_k, lookup, min_ngram)
+    def run(n, depth, top_k, lookup, min_ngram):  # a size too small for the chain gets what fits of it
+        budget = _valid(n, depth, top_k, min(lookup, max(n - 2, 0)), min_ngram)
         if budget is None or budget in seen:
             return
         seen.add(budget)

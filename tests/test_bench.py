@@ -1,5 +1,6 @@
 """Benchmark bookkeeping on the tiny model (no timing assertions)."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -281,6 +282,11 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
         (5, 3, 0, 1), (6, 4, 0, 1), (5, 1, 0, 1), (5, 1, 3, 1), (5, 1, 3, 2), (5, 1, 3, 3), (6, 1, 3, 2)]
     # no chain in the best tree: no n-gram to try
     assert len(search_budgets([5], (), base, measure, lookups=(0,), lookup_ngrams=(2, 3))[1]) == 1
+    # a start whose chain is longer than a small size's N - 2 (the default tree's 6, `--auto-lookups
+    # none`): every size is measured, with the chain cut to fit (not skipped, leaving 8 alone)
+    long_chain = dataclasses.replace(base, lookup=6)
+    rows = search_budgets([2, 3, 4, 8], (), long_chain, measure)[1]
+    assert [(r["total_tokens"], r["lookup"]) for r in rows] == [(2, 0), (3, 1), (4, 2), (8, 6)]
     with pytest.raises(ValueError, match="DEPTH:TOP_K"):
         parse_shapes("2x4")
     from eagle_jax.autotune import parse_lookups

@@ -133,3 +133,41 @@ def test_unrolled_layers_equal_the_scan(cached, rng):
     back = stack_layers(unrolled)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_blocks_window_write_equals_the_scatter(b):
+    """`write_block` with a `BlockStart` writes what the per-slot scatter writes, for blocks inside
+    the cache (its contract), up to its last slot, per row, one key, in a scanned layer (a traced
+    index); slots given as an array still drop what runs past the end (a prefill chunk's padding)."""
+    from eagle_jax.models.layers import BlockStart, block_slots, write_block
+
+    rng = np.random.default_rng(0)
+    s = 9
+    cache = jnp.asarray(rng.standard_normal((4, b, s, 2, 3)), jnp.float32)
+    for t, starts in [(3, [0, 4, 6]), (3, [6, 2, 5]), (1, [8, 0, 3]), (5, [4, 1, 0]), (9, [0, 0, 0])]:
+        start = jnp.asarray(starts[:b], jnp.int32)
+        x = jnp.asarray(rng.standard_normal((b, t, 2, 3)), jnp.float32)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        for layer in (0, jnp.int32(2)):
+            want = cache.at[layer, rows, block_slots(BlockStart(start), t)].set(x, mode="drop")
+            got = jax.jit(write_block)(cache, layer, BlockStart(start), x)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"t={t} starts={starts}")
+    x = jnp.ones((b, 3, 2, 3))
+    past = write_block(cache, 1, jnp.full((b, 3), 7, jnp.int32) + jnp.arange(3), x)  # slots 7, 8, (9)
+    np.testing.assert_array_equal(np.asarray(past[1, :, 7:]), 1.0)
+    np.testing.assert_array_equal(np.asarray(past[1, :, :7]), np.asarray(cache[1, :, :7]))
+
+
+def test_a_one_row_window_write_is_not_a_loop():
+    """The point of `BlockStart`: with the decoding programs' options (`cpu_jit`: no fusion emitters)
+    XLA:CPU compiles a block's scatter into a while loop over its keys (a few operations each, in
+    every layer, every step), the window into one update."""
+    from eagle_jax.cpu_jit import CPU_COMPILER_OPTIONS
+    from eagle_jax.models.layers import BlockStart, block_slots, write_block
+
+    cache, x, start = jnp.zeros((2, 1, 16, 2, 4)), jnp.ones((1, 3, 2, 4)), jnp.asarray([5], jnp.int32)
+    jit = jax.jit(write_block, compiler_options=CPU_COMPILER_OPTIONS)
+    hlo = lambda slots: jit.lower(cache, 1, slots, x).compile().as_text()
+    assert " while(" in hlo(block_slots(BlockStart(start), 3))  # the scatter: a loop (else this test proves nothing)
+    assert " while(" not in hlo(BlockStart(start))

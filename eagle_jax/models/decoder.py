@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .layers import DecoderLayer, rms_norm, rope_cos_sin
+from .layers import BlockStart, DecoderLayer, rms_norm, rope_cos_sin
 
 
 @flax.struct.dataclass
@@ -94,14 +94,17 @@ def embed(params, cfg: ModelConfig, tokens_bt):
 
 def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optional[KVCache] = None, *,
             block_mask_btt=None, capture: Sequence[int] = (), inputs_embeds_btd=None, slots_bt=None,
-            attn_mask_bts=None) -> DecoderOutput:
+            attn_mask_bts=None, block_fits: bool = False) -> DecoderOutput:
     """Run the decoder over a block of T tokens per row.
 
     capture: HF `hidden_states` indices to return: i < num_layers is the input of layer i
     (0 = embeddings), num_layers is the final-norm output.
-    slots_bt / attn_mask_bts (cached only): write the block's keys to these slots instead of
-    `length + t`, and use this [B, T, S] visibility instead of the committed-prefix + block mask
-    (drafters that keep scratch slots past the committed length use both).
+    slots_bt / attn_mask_bts (cached only): write the block's keys to these slots ([B, T] or a
+    `layers.BlockStart`) instead of `length + t`, and use this [B, T, S] visibility instead of the
+    committed-prefix + block mask (drafters that keep scratch slots past the committed length use both).
+    block_fits (cached only): the caller guarantees `length + T <= S` in every row (tree
+    verification), so the default slots are written as one window a row (`layers.write_block`)
+    instead of a scatter that drops what runs past the end (a prefill chunk's padding).
     With `cfg.attention_impl == "pallas"` a cached forward with the default slots and mask (prefill
     chunks, decode steps, tree verification) runs the Pallas tree-attention kernel on the packed
     block mask; everything else uses the jnp reference.
@@ -141,7 +144,8 @@ def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optio
         else:
             mask = attn_mask_bts if attn_mask_bts is not None else attention_mask(
                 cfg, positions_bt, cache.length, block_mask_btt, cache.max_len)
-        slots = slots_bt if slots_bt is not None else cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        slots = slots_bt if slots_bt is not None else (
+            BlockStart(cache.length) if block_fits else cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :])
 
         def body(carry, xs):
             h, caps, k_all, v_all = carry

@@ -231,13 +231,56 @@ def dense(cfg: ModelConfig, name: Optional[str], features: int, use_bias: bool) 
     return cls(features, use_bias=use_bias, dtype=dt, param_dtype=dt, name=name)
 
 
+class BlockStart(NamedTuple):
+    """Cache slots `start_b[b] + t` for a block's T keys, one contiguous run per row, from a caller
+    that guarantees the run lies inside the cache (0 <= start_b and start_b + T <= S in every row):
+    tree verification, whose cache has room for the tree past the committed length, and the draft
+    head's tree levels and re-feed, inside its cache's scratch room. Prefill chunks, whose padding
+    may run past the end, give slots as a [B, T] array instead (slots past the end are dropped)."""
+
+    start_b: jax.Array  # [B] int32
+
+
+def block_slots(slots, t: int) -> jax.Array:
+    """Slots [B, T] of a block, from a `BlockStart` or as given."""
+    if isinstance(slots, BlockStart):
+        return slots.start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return slots
+
+
+def write_block(all_lbshd, layer, slots, x_bthd):
+    """`all_lbshd` [L, B, S, Hkv, Dh] with layer `layer`'s slots of the block set to `x_bthd` [B, T,
+    Hkv, Dh].
+
+    Slots as a [B, T] array go through a scatter that drops slots outside [0, S). A `BlockStart`
+    block of T > 1 keys is written as one window a row: a dynamic-update-slice (several rows: mapped
+    over them, a scatter of B windows). With the decoding programs' options (`cpu_jit`) XLA:CPU
+    expands a scatter into a loop over its T keys, a few operations each, and a 3-token verification
+    of SmolLM2 ran 60 of them a step (keys and values of 30 layers). A window cannot drop the keys
+    past the end (its start is clamped instead), hence `BlockStart`'s guarantee; keeping the old
+    contents there by reading the window back made XLA copy the whole stacked cache at every layer
+    (stops 55 and 65). One key (T = 1), which XLA writes as one update anyway, keeps the scatter."""
+    b, t = x_bthd.shape[:2]
+    x_bthd = x_bthd.astype(all_lbshd.dtype)
+    if not isinstance(slots, BlockStart) or t == 1:
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        return all_lbshd.at[layer, rows, block_slots(slots, t)].set(x_bthd, mode="drop")
+    layer, zero = jnp.asarray(layer, jnp.int32), jnp.int32(0)
+    start = slots.start_b.astype(jnp.int32)
+    if b == 1:
+        return jax.lax.dynamic_update_slice(all_lbshd, x_bthd[None], (layer, zero, start[0], zero, zero))
+    window = lambda all_lshd, s, x_thd: jax.lax.dynamic_update_slice(all_lshd, x_thd[None], (layer, s, zero, zero))
+    return jax.vmap(window, in_axes=(1, 0, 0), out_axes=1)(all_lbshd, start, x_bthd)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with optional q/k/v bias, q/k RMSNorm and a shared KV cache.
 
     `cache` is None (attend within the block only), a `RolloutKeys` (an EAGLE-3 training-time-test
-    step; returned with this step's keys added) or `(k, v, layer, slots_bt)`: the full stacked
-    cache `[L, B, S, Hkv, Dh]`, this layer's index, and the cache slots the block's keys go to.
-    The new keys are scattered in place (slots past the end are dropped) and the queries attend to
+    step; returned with this step's keys added) or `(k, v, layer, slots)`: the full stacked
+    cache `[L, B, S, Hkv, Dh]`, this layer's index, and the cache slots the block's keys go to
+    ([B, T], or a `BlockStart`). The new keys are written in place (`write_block`: slots past the
+    end are dropped) and the queries attend to
     all S slots of this layer under `mask_bts`, or, when `mask_bts` is a `kernels.BlockMask`
     (compact: committed length, block bitmask, positions), through the Pallas tree-attention kernel.
     Under `matmul_impl == "cpu_kernel"` few-query blocks attend through `kernels.cpu_attention`,
@@ -274,10 +317,8 @@ class Attention(nn.Module):
         elif isinstance(cache, RolloutKeys):
             out, cache = cache.step(q, k, v)
         else:
-            k_all, v_all, layer, slots_bt = cache
-            rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-            k_all = k_all.at[layer, rows, slots_bt].set(k.astype(k_all.dtype), mode="drop")
-            v_all = v_all.at[layer, rows, slots_bt].set(v.astype(v_all.dtype), mode="drop")
+            k_all, v_all, layer, slots = cache
+            k_all, v_all = write_block(k_all, layer, slots, k), write_block(v_all, layer, slots, v)
             if isinstance(mask_bts, tuple):  # kernels.BlockMask: the Pallas kernel, new keys read from k/v
                 from ..kernels.tree_attention import tree_attention
 
