@@ -279,10 +279,10 @@ class Attention(nn.Module):
     `cache` is None (attend within the block only), a `RolloutKeys` (an EAGLE-3 training-time-test
     step; returned with this step's keys added) or `(k, v, layer, slots)`: the full stacked
     cache `[L, B, S, Hkv, Dh]`, this layer's index, and the cache slots the block's keys go to
-    ([B, T], or a `BlockStart`). The new keys are written in place (`write_block`: slots past the
-    end are dropped) and the queries attend to
-    all S slots of this layer under `mask_bts`, or, when `mask_bts` is a `kernels.BlockMask`
-    (compact: committed length, block bitmask, positions), through the Pallas tree-attention kernel.
+    ([B, T], or a `BlockStart`). The new keys are written in place (`write_block`; array slots past
+    the end are dropped) and the queries attend to all S slots of this layer under `mask_bts`, or,
+    when `mask_bts` is a `kernels.BlockMask` (compact: committed length, block bitmask, positions),
+    through the Pallas tree-attention kernel.
     Under `matmul_impl == "cpu_kernel"` few-query blocks attend through `kernels.cpu_attention`,
     which reads the layer's keys and values where they lie in the stacked cache.
     """
