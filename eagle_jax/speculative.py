@@ -29,7 +29,6 @@ from .draft.drafting import Tree, TreeBudget, draft_candidates, draft_tree
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
 from .models.config import ModelConfig
 from .models.decoder import KVCache, forward, lm_logits
-from .models.layers import BlockStart
 from .sampling import SamplingParams, sample
 from .tree import accept_from_logits, ancestor_mask, node_depths, rerank
 from .tree.lookup import graft_chain, lookup_chain
@@ -195,8 +194,7 @@ def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_
 
     # The head consumes the path's target features with the next tokens (t_{P+1}..t_{P+m+1}).
     feat = jnp.take_along_axis(_features(out.captured), path[:, :, None], axis=1)
-    h, dcache = head_step(head, embed, emitted, fuse_features(head, feat), p[:, None] + j[None, :], dcache,
-                          BlockStart(dcache.length))  # the head's cache has room for a path past P
+    h, dcache = head_step(head, embed, emitted, fuse_features(head, feat), p[:, None] + j[None, :], dcache)
     dcache = dcache.replace(length=tcache.length)
     h_root = jnp.where(new_done[:, None], h_root, h[rows, m])
     root = jnp.where(new_done, root, acc_res.bonus_b)

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.decoder import KVCache
-from ..models.layers import BlockStart
 from ..sampling import argmax_last
 from ..tree import StaticTree, rerank
 from .heads import DraftHead, head_logits, head_step, to_target_ids
@@ -186,7 +185,7 @@ def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cach
 
     def level(carry, i):
         tok_f, h_f, score_f, cand_f, vis_f, cache = carry
-        slots = BlockStart(cache.length + i * k)  # level i's k scratch slots
+        slots = cache.length[:, None] + i * k + jnp.arange(k)[None, :]
         mask = _scratch_mask(cache.length, cache.max_len, vis_f, 0)
         h_out, cache = head_step(head, embed, tok_f, h_f, jnp.broadcast_to((pos0 + i)[:, None], (b, k)), cache,
                                  slots, mask)
@@ -242,9 +241,7 @@ def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, 
     for d in range(1, len(levels)):
         nodes_prev = np.asarray(levels[d - 1])
         w = len(nodes_prev)
-        first = slot_of[int(nodes_prev[0])]  # a level's nodes are fed to consecutive slots
-        assert [slot_of[int(x)] for x in nodes_prev] == list(range(first, first + w))
-        slots = BlockStart(cache.length + first)
+        slots = cache.length[:, None] + jnp.asarray([slot_of[int(x)] for x in nodes_prev])[None, :]
         mask = _scratch_mask(cache.length, cache.max_len, jnp.broadcast_to(jnp.asarray(vis[nodes_prev])[None],
                                                                           (b, w, n_scr)), 0)
         h_in = (jnp.broadcast_to(h_root_bd[:, None], (b, w, h_root_bd.shape[-1])) if d == 1

@@ -234,9 +234,11 @@ def dense(cfg: ModelConfig, name: Optional[str], features: int, use_bias: bool) 
 class BlockStart(NamedTuple):
     """Cache slots `start_b[b] + t` for a block's T keys, one contiguous run per row, from a caller
     that guarantees the run lies inside the cache (0 <= start_b and start_b + T <= S in every row):
-    tree verification, whose cache has room for the tree past the committed length, and the draft
-    head's tree levels and re-feed, inside its cache's scratch room. Prefill chunks, whose padding
-    may run past the end, give slots as a [B, T] array instead (slots past the end are dropped)."""
+    tree verification, whose cache has room for the tree past the committed length. Prefill chunks,
+    whose padding may run past the end, give slots as a [B, T] array instead (slots past the end
+    are dropped), and so do the draft head's levels and re-feed: as windows inside the head's
+    `lax.scan` over levels they made XLA copy the oracle drafter's whole 30-layer cache (the SmolLM2
+    oracle tests ran 4-5x as long), for 3 loops of a few keys saved with the trained heads."""
 
     start_b: jax.Array  # [B] int32
 
