@@ -236,9 +236,10 @@ class BlockStart(NamedTuple):
     that guarantees the run lies inside the cache (0 <= start_b and start_b + T <= S in every row):
     tree verification, whose cache has room for the tree past the committed length. Prefill chunks,
     whose padding may run past the end, give slots as a [B, T] array instead (slots past the end
-    are dropped), and so do the draft head's levels and re-feed: as windows inside the head's
-    `lax.scan` over levels they made XLA copy the oracle drafter's whole 30-layer cache (the SmolLM2
-    oracle tests ran 4-5x as long), for 3 loops of a few keys saved with the trained heads."""
+    are dropped), and so do the draft head's levels and re-feed: as windows (inside the head's
+    `lax.scan` over levels) they made the SmolLM2 oracle drafter's tests run 4-5x as long (its
+    cache is the 30-layer target's; a copy of it, most likely), to save the trained heads 3 loops
+    of a few keys."""
 
     start_b: jax.Array  # [B] int32
 
