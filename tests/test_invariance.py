@@ -138,8 +138,9 @@ def test_unrolled_layers_equal_the_scan(cached, rng):
 @pytest.mark.parametrize("b", [1, 3])
 def test_a_blocks_window_write_equals_the_scatter(b):
     """`write_block` with a `BlockStart` writes what the per-slot scatter writes, for blocks inside
-    the cache (its contract), up to its last slot, per row, one key, in a scanned layer (a traced
-    index); slots given as an array still drop what runs past the end (a prefill chunk's padding)."""
+    the cache (its contract), up to its last slot, per row, one key, in an unrolled layer and a
+    scanned one (a traced index); slots given as an array still drop what runs past the end (a
+    prefill chunk's padding)."""
     from eagle_jax.models.layers import BlockStart, block_slots, write_block
 
     rng = np.random.default_rng(0)
@@ -149,9 +150,9 @@ def test_a_blocks_window_write_equals_the_scatter(b):
         start = jnp.asarray(starts[:b], jnp.int32)
         x = jnp.asarray(rng.standard_normal((b, t, 2, 3)), jnp.float32)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        for layer in (0, jnp.int32(2)):
+        for layer in (0, 3, jnp.int32(2)):  # unrolled layers (a window for one row), a scanned one
             want = cache.at[layer, rows, block_slots(BlockStart(start), t)].set(x, mode="drop")
-            got = jax.jit(write_block)(cache, layer, BlockStart(start), x)
+            got = jax.jit(lambda c, s, x: write_block(c, layer, s, x))(cache, BlockStart(start), x)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"t={t} starts={starts}")
     x = jnp.ones((b, 3, 2, 3))
     past = write_block(cache, 1, jnp.full((b, 3), 7, jnp.int32) + jnp.arange(3), x)  # slots 7, 8, (9)
@@ -167,7 +168,7 @@ def test_a_one_row_window_write_is_not_a_loop():
     from eagle_jax.models.layers import BlockStart, block_slots, write_block
 
     cache, x, start = jnp.zeros((2, 1, 16, 2, 4)), jnp.ones((1, 3, 2, 4)), jnp.asarray([5], jnp.int32)
-    jit = jax.jit(write_block, compiler_options=CPU_COMPILER_OPTIONS)
-    hlo = lambda slots: jit.lower(cache, 1, slots, x).compile().as_text()
+    jit = jax.jit(lambda c, s, x: write_block(c, 1, s, x), compiler_options=CPU_COMPILER_OPTIONS)  # an unrolled layer
+    hlo = lambda slots: jit.lower(cache, slots, x).compile().as_text()
     assert " while(" in hlo(block_slots(BlockStart(start), 3))  # the scatter: a loop (else this test proves nothing)
     assert " while(" not in hlo(BlockStart(start))

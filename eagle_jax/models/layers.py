@@ -256,8 +256,10 @@ def write_block(all_lbshd, layer, slots, x_bthd):
     Hkv, Dh].
 
     Slots as a [B, T] array go through a scatter that drops slots outside [0, S). A `BlockStart`
-    block of T > 1 keys is written as one window a row: a dynamic-update-slice (several rows: mapped
-    over them, a scatter of B windows). With the decoding programs' options (`cpu_jit`) XLA:CPU
+    block of T > 1 keys in one row, in an unrolled layer (`layer` a Python int), is written as one
+    window: a dynamic-update-slice. Several rows, or layers under `lax.scan` (a traced index), keep
+    the scatter: with them the SmolLM2 speculative tests (3 rows, scanned layers) ran 1.4-2.7x as
+    long in CI. With the decoding programs' options (`cpu_jit`) XLA:CPU
     expands a scatter into a loop over its T keys, a few operations each, and a 3-token verification
     of SmolLM2 ran 60 of them a step (keys and values of 30 layers). A window cannot drop the keys
     past the end (its start is clamped instead), hence `BlockStart`'s guarantee; keeping the old
@@ -265,15 +267,12 @@ def write_block(all_lbshd, layer, slots, x_bthd):
     (stops 55 and 65). One key (T = 1), which XLA writes as one update anyway, keeps the scatter."""
     b, t = x_bthd.shape[:2]
     x_bthd = x_bthd.astype(all_lbshd.dtype)
-    if not isinstance(slots, BlockStart) or t == 1:
+    if not isinstance(slots, BlockStart) or t == 1 or b != 1 or not isinstance(layer, int):
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         return all_lbshd.at[layer, rows, block_slots(slots, t)].set(x_bthd, mode="drop")
-    layer, zero = jnp.asarray(layer, jnp.int32), jnp.int32(0)
-    start = slots.start_b.astype(jnp.int32)
-    if b == 1:
-        return jax.lax.dynamic_update_slice(all_lbshd, x_bthd[None], (layer, zero, start[0], zero, zero))
-    window = lambda all_lshd, s, x_thd: jax.lax.dynamic_update_slice(all_lshd, x_thd[None], (layer, s, zero, zero))
-    return jax.vmap(window, in_axes=(1, 0, 0), out_axes=1)(all_lbshd, start, x_bthd)
+    zero = jnp.int32(0)
+    start = slots.start_b.astype(jnp.int32)[0]
+    return jax.lax.dynamic_update_slice(all_lbshd, x_bthd[None], (jnp.int32(layer), zero, start, zero, zero))
 
 
 class Attention(nn.Module):
