@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.decoder import KVCache, forward, lm_logits
-from ..models.layers import MLP, Attention, BlockStart, DecoderLayer, RMSNorm, RolloutKeys, dense, rope_cos_sin
+from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, RolloutKeys, dense, rope_cos_sin
 from .config import DraftConfig
 
 
@@ -172,9 +172,8 @@ def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: 
 
     With a `RolloutKeys` (EAGLE-3 training-time test), the block attends as that structure says and
     it comes back with the block's keys added. With a cache, the block's keys go to `slots_bt`
-    ([B, T], or a `BlockStart` where the run fits the cache; default: cache.length + t) and the
-    queries see the slots `mask_bts` allows (default: committed slots + causal inside the block);
-    the cache's length is not advanced. Without a cache,
+    (default: cache.length + t) and the queries see the slots `mask_bts` allows (default: committed
+    slots + causal inside the block); the cache's length is not advanced. Without a cache,
     `mask_bts` is [B, T, T] (default causal).
     Returns (h' [B, T, d], cache).
     """
@@ -220,14 +219,8 @@ def _oracle_step(head, tokens_bt, positions_bt, cache, slots_bt, mask_bts):
     if mask_bts is None:
         mask_bts = _default_mask(cache, t)
     mask = jnp.concatenate([jnp.ones((b, t, 1), bool), mask_bts[..., :-1]], axis=-1)
-    out = forward(head.params, tcfg, tokens_bt, positions_bt + 1, cache, slots_bt=_shifted(slots_bt),
-                  attn_mask_bts=mask)
+    out = forward(head.params, tcfg, tokens_bt, positions_bt + 1, cache, slots_bt=slots_bt + 1, attn_mask_bts=mask)
     return out.hidden, out.cache
-
-
-def _shifted(slots):
-    """Draft slots as the oracle's (one further: its slot 0 holds t_0)."""
-    return BlockStart(slots.start_b + 1) if isinstance(slots, BlockStart) else slots + 1
 
 
 def head_logits(head: DraftHead, target_params, target_cfg, h_btd) -> jax.Array:
