@@ -61,8 +61,9 @@ def test_loop_timing_subtracts_the_call(monkeypatch):
 def test_cheap_parts_take_the_fastest_of_repeated_calls(monkeypatch):
     """A part whose LOOP extra runs outlast MIN_LOOP_S and a call is timed once a round; a cheap one
     takes the fastest of as many calls as make its extra runs last that long (at most the limit; the
-    limit when the calibrating difference is lost in noise), which drops a call a hiccup slowed.
-    Fake clock: a call costs `own` s, a run `cost` s, a listed call `stall` s more."""
+    limit when the calibrating difference is lost in noise), which drops a call a hiccup slowed; a
+    difference still lost in noise (not above zero) takes more pairs, up to MAX_PAIRS. Fake clock: a
+    call costs `own` s, a run `cost` s, a listed call `stall` s more."""
     from eagle_jax import step_profile as sp
 
     now = [0.0]
@@ -83,9 +84,21 @@ def test_cheap_parts_take_the_fastest_of_repeated_calls(monkeypatch):
     # the 1-run calls of the first two pairs stall; one timing would give (0.008 - 0.5) / 8 < 0
     assert sp._loop_seconds(part(0.001, stall={1, 3}), repeats=3) == pytest.approx(0.001)
     assert sp._loop_seconds(part(0.001, stall={3}), repeats=1) == pytest.approx(0.001)  # call 3 not reached
-    assert sp._loop_seconds(part(0.001, stall={1})) < 0  # what one timing can give
+    assert sp._loop_seconds(part(0.001, stall={1}), limit=1) < 0  # what one timing can give
+    assert sp._loop_seconds(part(0.001, stall={1})) == pytest.approx(0.001)  # lost in noise: one pair more
+    counted = []
+
+    def counting(inner):
+        return lambda n: (counted.append(n), inner(n))
+
+    assert sp._loop_seconds(counting(part(0.001, stall={1, 3})), repeats=3) == pytest.approx(0.001)
+    assert counted == [1 + sp.LOOP, 1] * 3  # the difference showed: no pair more than asked
+    counted.clear()  # every one-run call stalls: pairs up to the limit, and the noise is what comes back
+    assert sp._loop_seconds(counting(part(0.001, stall=range(1, 999, 2))), repeats=2) < 0
+    assert counted == [1 + sp.LOOP, 1] * sp.MAX_PAIRS
     made, used = [], []  # `before` makes each call's state (off the clock), the call takes it
-    sp._loop_seconds(lambda n: used.append(made.pop()), repeats=2, before=lambda: made.append(object()))
+    sp._loop_seconds(lambda n: (used.append(made.pop()), part(0.001)(n)), repeats=2,
+                     before=lambda: made.append(object()))
     assert len(used) == 4 and made == []
 
 
