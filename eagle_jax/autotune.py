@@ -348,6 +348,9 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
         chosen = budgets[best]
     engine.budgets[method] = chosen
     say(f"autotune {method}: chose {describe_budget(chosen)}")
+    slower = slower_than_plain(method, _row_of(rows, chosen))
+    if slower:
+        say(f"autotune {method}: {slower}")
     kernels = {"matmul": engine.cfg.matmul_impl, "activations": engine.activations, "draft_rows": engine.draft_rows}
     return {"method": method, "model": engine.name, "device": device_tag(), "kernels": kernels,
             "budget": budget_fields(chosen),
@@ -406,6 +409,44 @@ def tune_and_save(engine, method: str, path: Path, log: Optional[Callable[[str],
     return rec
 
 
+def slower_than_plain(method: str, row: dict) -> Optional[str]:
+    """What to tell a user of `method` whose tuned tree (`row`: its autotune candidate) was expected
+    to decode slower than plain decoding (no tree beat it: the head accepts too little for what a
+    step costs on that device); None where it was expected faster, or the row has no measurement."""
+    speedup = row.get("expected_speedup")
+    if not isinstance(speedup, (int, float)) or speedup >= 1:
+        return None
+    return (f"on the device it was tuned on, {method} with this tree was expected at {speedup:.2f}× the "
+            f"tokens/s of plain decoding (no tree beat it there); --method vanilla decodes faster on such a device")
+
+
+def _row_of(rows, budget: TreeBudget) -> dict:
+    """The first autotune candidate row measured with `budget`'s fields; {} if none was."""
+    fields = budget_fields(budget)
+    return next((r for r in rows if isinstance(r, dict) and all(r.get(k) == v for k, v in fields.items())), {})
+
+
+def _tuned_row(path: Path, budget: TreeBudget) -> dict:
+    """The candidate row of a saved autotune record that `budget` (loaded from it) came from; {} for
+    a hand-written budget file or a record without that row."""
+    try:
+        rows = json.loads(Path(path).read_text()).get("candidates", [])
+        return _row_of(rows if isinstance(rows, list) else [], budget)
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _loaded(path: Path, method: str, log, suffix: str = "") -> TreeBudget:
+    """The budget saved at `path`, told to `log` with a note if it was tuned slower than plain decoding."""
+    budget = load_budget(path, method)
+    if log:
+        log(f"tuned tree budget from {path}: {describe_budget(budget)}{suffix}")
+        slower = slower_than_plain(method, _tuned_row(path, budget))
+        if slower:
+            log(f"note: {slower}")
+    return budget
+
+
 def describe_budget(budget: TreeBudget) -> str:
     chain = f" (n-grams >= {budget.lookup_min_ngram})" if budget.lookup and budget.lookup_min_ngram > 1 else ""
     kind = "static tree: " if budget.kind == "static" else ""
@@ -454,10 +495,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
     if total_tokens == "auto":
         path = default_budget_path(model, method, drafter, kernels)
         if path.exists():
-            budget = load_budget(path, method)
-            if log:
-                log(f"tuned tree budget from {path}: {describe_budget(budget)}")
-            return budget, None
+            return _loaded(path, method, log), None
         if log:
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (minutes: each candidate tree "
                 f"is compiled, timed and run on the calibration prompts)")
@@ -466,9 +504,6 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
         tuned = default_budget_path(model, method, drafter, kernels)
         for path in (tuned, packaged_budget_path(model, method, drafter)):
             if path.exists():  # tuned before on this device, else shipped for this platform: the default
-                budget = load_budget(path, method)
-                if log:
-                    log(f"tuned tree budget from {path}: {describe_budget(budget)} (--total-tokens N overrides)")
-                return budget, None
+                return _loaded(path, method, log, " (--total-tokens N overrides)"), None
     n = None if total_tokens is None else int(total_tokens)
     return default_budget(method, n, depth, top_k), None

@@ -299,6 +299,39 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     assert parse_shapes("none") == ()
 
 
+def test_a_budget_tuned_slower_than_plain_decoding_says_so(tmp_path, monkeypatch):
+    """Loading a tuned budget whose tree was expected below plain decoding's speed (no tree beat it:
+    a weak head on a CPU where rows cost much) tells the user that --method vanilla is faster; one
+    expected faster, or a hand-written file with no measurements, says nothing more."""
+    from eagle_jax import autotune
+
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
+    budget = {"kind": "dynamic", "total_tokens": 4, "depth": 1, "top_k": 3, "lookup": 2, "lookup_min_ngram": 1}
+    other = dict(budget, total_tokens=6)
+
+    def tuned(method, chosen_speedup, runner_up=0.7):
+        rows = [dict(other, tau=1.5, expected_speedup=runner_up),
+                dict(budget, tau=1.7, expected_speedup=chosen_speedup)]
+        path = autotune.default_budget_path("m", method, "default")
+        autotune.save_budget({"method": method, "budget": budget, "candidates": rows}, path)
+
+    def told(method):
+        lines = []
+        got, tune = autotune.resolve_budget("m", method, "default", "auto", log=lines.append)
+        assert (got.total_tokens, got.top_k, got.lookup, tune) == (4, 3, 2, None)
+        return "\n".join(lines)
+
+    tuned("eagle2", 0.77)
+    assert "eagle2 with this tree was expected at 0.77× the tokens/s of plain decoding" in told("eagle2")
+    assert "--method vanilla decodes faster" in told("eagle2")
+    tuned("eagle3", 1.2, runner_up=0.9)  # only the chosen tree's row counts
+    assert "vanilla" not in told("eagle3") and "4 tokens, depth 1, top-k 3" in told("eagle3")
+    autotune.save_budget({"method": "eagle2", "budget": budget}, autotune.default_budget_path("m", "eagle2", "default"))
+    assert "vanilla" not in told("eagle2")  # no candidates: nothing known
+    assert autotune.slower_than_plain("eagle1", {"expected_speedup": 0.88}).startswith("on the device")
+    assert autotune.slower_than_plain("eagle1", {"expected_speedup": 1.0}) is None
+
+
 def test_budget_flags_are_checked(tmp_path, monkeypatch):
     from eagle_jax.autotune import load_budget, resolve_budget, save_budget
 
