@@ -25,9 +25,8 @@ shows, at most `MAX_PAIRS` (stop 66): a busy machine can slow every one-run call
 as a pytest worker beside the autotuning test did (beside two busy processes, 4 tiny-model profiles
 in 40 came out at zero or below before, none in 120 after). The four programs are timed in turns,
 `reps` rounds (so that a shared machine's drift moves them together), and each figure is the
-median of its `reps` differences;
-`step_over_plain` is the median of the ratios of each round's step to its plain step, which holds
-while the machine's speed drifts (autotuning ranks trees by it).
+median of its `reps` differences; `step_over_plain` is the median of the ratios of each round's
+step to its plain step, which holds while the machine's speed drifts (autotuning ranks trees by it).
 
     split = profile_spec_step(engine, "eagle3", engine.encode("Hi"))
     split["draft_ms"], split["verify_ms"], split["step_ms"]
@@ -120,7 +119,7 @@ def _loop_seconds(fn, repeats: int = 1, before=None, timer=_time, limit: int = M
     (not above zero: no run is free, but a busy machine can slow every one-run call of a few pairs)
     takes more pairs, one at a time, until it shows or `limit` pairs are made."""
     more, one = [], []
-    while len(more) < repeats or (min(more) <= min(one) and len(more) < limit):
+    while len(more) < max(repeats, 1) or (min(more) <= min(one) and len(more) < limit):
         more.append(_timed(fn, 1 + LOOP, before, timer))
         one.append(_timed(fn, 1, before, timer))
     return (min(more) - min(one)) / LOOP

@@ -330,6 +330,7 @@ def test_a_budget_tuned_slower_than_plain_decoding_says_so(tmp_path, monkeypatch
     assert "vanilla" not in told("eagle2")  # no candidates: nothing known
     assert autotune.slower_than_plain("eagle1", {"expected_speedup": 0.88}).startswith("on the device")
     assert autotune.slower_than_plain("eagle1", {"expected_speedup": 1.0}) is None
+    assert autotune.slower_than_plain("eagle1", {"expected_speedup": float("nan")}) is None  # not known
 
 
 def test_budget_flags_are_checked(tmp_path, monkeypatch):
