@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.decoder import KVCache, forward, lm_logits
-from ..models.layers import MLP, Attention, DecoderLayer, RMSNorm, RolloutKeys, dense, rope_cos_sin
+from ..models.layers import (MLP, Attention, BlockStart, DecoderLayer, RMSNorm, RolloutKeys, block_slots, dense,
+                             rope_cos_sin)
 from .config import DraftConfig
 
 
@@ -192,7 +193,7 @@ def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: 
     if isinstance(cache, RolloutKeys):  # a training-time-test step: its own mask, its keys appended
         return m.apply({"params": head.params}, emb, h_btd.astype(lc.jnp_dtype), cos, sin, None, cache)
     if slots_bt is None:
-        slots_bt = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        slots_bt = block_slots(BlockStart(cache.length), t)
     if mask_bts is None:
         mask_bts = _default_mask(cache, t)
     out, (k, v) = m.apply({"params": head.params}, emb, h_btd.astype(lc.jnp_dtype), cos, sin, mask_bts,
@@ -215,7 +216,7 @@ def _oracle_step(head, tokens_bt, positions_bt, cache, slots_bt, mask_bts):
                       block_mask_btt=mask_bts if mask_bts is not None else None)
         return out.hidden, None
     if slots_bt is None:
-        slots_bt = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        slots_bt = block_slots(BlockStart(cache.length), t)
     if mask_bts is None:
         mask_bts = _default_mask(cache, t)
     mask = jnp.concatenate([jnp.ones((b, t, 1), bool), mask_bts[..., :-1]], axis=-1)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .layers import BlockStart, DecoderLayer, rms_norm, rope_cos_sin
+from .layers import BlockStart, DecoderLayer, block_slots, rms_norm, rope_cos_sin
 
 
 @flax.struct.dataclass
@@ -145,7 +145,7 @@ def forward(params, cfg: ModelConfig, tokens_bt, positions_bt=None, cache: Optio
             mask = attn_mask_bts if attn_mask_bts is not None else attention_mask(
                 cfg, positions_bt, cache.length, block_mask_btt, cache.max_len)
         slots = slots_bt if slots_bt is not None else (
-            BlockStart(cache.length) if block_fits else cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :])
+            BlockStart(cache.length) if block_fits else block_slots(BlockStart(cache.length), t))
 
         def body(carry, xs):
             h, caps, k_all, v_all = carry
