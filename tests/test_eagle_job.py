@@ -10,6 +10,8 @@ import pytest
 from eagle_jax import train
 from eagle_jax.draft import load_drafter
 from eagle_jax.engine import Engine
+from eagle_jax.training.data import load_examples
+from eagle_jax.training.vocab import count_tokens
 
 
 def _conversations(path, rng, n=24):
@@ -59,9 +61,10 @@ def test_train_export_and_decode(tiny_hf_dir, tmp_path, rng, kind, features, pac
 
 
 @pytest.mark.parametrize("rebuild", [False, True])
-def test_warm_start_keeps_or_rebuilds_draft_vocab(tiny_hf_dir, tmp_path, rng, rebuild):
-    """`init_from` keeps the head's draft vocabulary; with `rebuild_vocab` the run's data builds a
-    new one (of draft_vocab_size) and the trained LM-head columns of shared tokens carry over."""
+def test_warm_start_keeps_or_rebuilds_draft_vocab(tiny_hf_dir, tmp_path, rng, capsys, rebuild):
+    """`init_from` keeps the head's draft vocabulary (and builds none: the log gives the kept one's
+    coverage of the run's data); with `rebuild_vocab` the run's data builds a new one (of
+    draft_vocab_size) and the trained LM-head columns of shared tokens carry over."""
     import jax
 
     from eagle_jax.draft import DraftConfig, init_head, save_drafter
@@ -80,12 +83,20 @@ def test_warm_start_keeps_or_rebuilds_draft_vocab(tiny_hf_dir, tmp_path, rng, re
            "data": {"train": str(data), "max_len": 40},
            "train": {"batch_size": 4, "seq_len": 40, "output_dir": str(tmp_path / "run")}}
     params, aux, *_ = eagle_job(cfg)
-    built = np.load(tmp_path / "run" / "draft_vocab.npz")["d2t"]
+    log = capsys.readouterr().err
     old_w = np.asarray(old.params["lm_head"]["kernel"])
     if not rebuild:
         np.testing.assert_array_equal(np.asarray(aux["d2t"]), np.asarray(old.d2t))
         np.testing.assert_array_equal(np.asarray(params["lm_head"]["kernel"]), old_w)
+        assert not (tmp_path / "run" / "draft_vocab.npz").exists()
+        counts = count_tokens(load_examples(str(data), engine.tokenizer, 40), engine.cfg.vocab_size,
+                              assistant_only=True)
+        share = counts[old_ids].sum() / counts.sum()
+        assert 0 < share < 1
+        assert f"the 48 tokens of {tmp_path / 'old'} kept; they cover {share:.1%} of this data's" in log
         return
+    assert "tokens kept; they cover" not in log
+    built = np.load(tmp_path / "run" / "draft_vocab.npz")["d2t"]
     np.testing.assert_array_equal(np.asarray(aux["d2t"]), built)
     new_ids = np.arange(40) + built
     w = np.asarray(params["lm_head"]["kernel"])

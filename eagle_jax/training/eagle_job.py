@@ -16,7 +16,9 @@ Config sections (defaults in MODEL / DATA / OBJECTIVE below):
   export:    where the finished head is written in the released EAGLE layout (and its dtype)
 
 The draft vocabulary (EAGLE-3) is built from the training data's assistant-token frequencies and
-saved next to the run (`draft_vocab.npz`), so a resumed run keeps the same vocabulary.
+saved next to the run (`draft_vocab.npz`), so a resumed run keeps the same vocabulary. A warm start
+that keeps its head's vocabulary builds none; the log says how much of this data's assistant tokens
+the kept one covers.
 """
 
 from __future__ import annotations
@@ -60,9 +62,14 @@ def _draft_vocab(examples, tcfg, size: int, eos_ids, path: Path):
     d2t, _ = build_draft_vocab(counts, size, always_include=tuple(eos_ids))
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, d2t=d2t, counts=counts)
-    covered = counts[np.arange(size) + d2t].sum() / max(counts.sum(), 1)
-    _log(f"draft vocabulary: {size} tokens cover {covered:.1%} of the assistant tokens")
+    _log(f"draft vocabulary: {size} tokens cover {_coverage(counts, d2t):.1%} of the assistant tokens")
     return d2t
+
+
+def _coverage(counts, d2t) -> float:
+    """The share of the counted tokens that the draft vocabulary `d2t` (draft id + d2t = target id) holds."""
+    d2t = np.asarray(d2t)
+    return float(counts[np.arange(len(d2t)) + d2t].sum() / max(counts.sum(), 1))
 
 
 def _with_vocab(head: DraftHead, d2t, tparams) -> DraftHead:
@@ -116,7 +123,8 @@ def eagle_job(config: dict):
     _log(f"train data: {stats}")
     out_dir = Path(train.output_dir)
     d2t = None
-    if kind == "eagle3":
+    keep_vocab = bool(model["init_from"]) and not model["rebuild_vocab"]
+    if kind == "eagle3" and not keep_vocab:
         d2t = _draft_vocab(examples, tcfg, model["draft_vocab_size"], eos, out_dir / "draft_vocab.npz")
     if model["init_from"]:
         head = load_drafter(model["init_from"], tcfg)
@@ -129,6 +137,10 @@ def eagle_job(config: dict):
             head = widen_mlp(head, model["intermediate_size"], jax.random.PRNGKey(train.seed))
             _log(f"MLP widened from {old} to {model['intermediate_size']} units (new units start at zero output)")
         d2t = head.d2t if kind == "eagle3" else None
+        if kind == "eagle3" and keep_vocab:
+            counts = count_tokens(examples, tcfg.vocab_size, assistant_only=True)
+            _log(f"draft vocabulary: the {len(d2t)} tokens of {model['init_from']} kept; they cover "
+                 f"{_coverage(counts, d2t):.1%} of this data's assistant tokens")
     else:
         hcfg = DraftConfig.for_target(kind, tcfg, draft_vocab_size=model["draft_vocab_size"],
                                       target_layers=tuple(model["target_layers"]) if model["target_layers"] else None,
