@@ -34,48 +34,46 @@ def available() -> bool:
     return cm.available() and cm._state.get("qx", False)
 
 
-def _weights(blocks: np.ndarray, gguf: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF rows [..., N, nb * bytes] → (u uint8 [..., N, nb, 32] in the block's weight order, d and
-    m float16 [..., N, nb]) with weight = d * u + m exactly as gguf dequantises it (Q8_0: u = q + 128,
-    m = -128 d, exact in float16)."""
-    b = np.asarray(blocks, np.uint8)
-    size = cm.QUANT_BLOCK_BYTES[gguf]
-    b = b.reshape(*b.shape[:-1], b.shape[-1] // size, size)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
-    if gguf == "q4_1":
-        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
-        qs = b[..., 4:20]
-        u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # byte j holds weights j (low) and j + 16 (high)
-    else:
-        u = b[..., 2:34] ^ np.uint8(0x80)  # q + 128 as a byte: the sign bit flipped
-        m = (d.astype(np.float32) * np.float32(-128)).astype(np.float16)
-    return u, d, m
-
-
 def regroup(blocks, kind: str) -> np.ndarray:
     """GGUF rows (uint8 [..., N, K/32 * 20 | 34], N % 16 == 0) → the kernel's groups, uint8
     [..., N/16, K/32 * GROUP_BYTES[kind]]: for each block b of 16 columns, QUADS vectors of 64 bytes
     (vector j, lane i: the 4 weights of column i met by bytes 4j .. 4j + 3 of x's block; Q4_1 packs
-    vectors 2p and 2p + 1 as the low and high nibbles of 64 bytes), then d[16] and m[16] as float16."""
+    vectors 2p and 2p + 1 as the low and high nibbles of 64 bytes), then d[16] and m[16] as float16,
+    so that weight = d * u + m exactly as gguf dequantises the block (Q8_0: u = q + 128, m = -128 d,
+    exact in float16).
+
+    A lane's 4 bytes move as one uint32 word, written straight into their place in the output
+    (3x as fast as moving bytes on SmolLM2's blocks: 0.2 s of each start before stop 68)."""
     gguf = cm.QX_KINDS[kind]
-    u, d, m = _weights(blocks, gguf)
-    *lead, n, nb, _ = u.shape
+    size = cm.QUANT_BLOCK_BYTES[gguf]
+    b = np.asarray(blocks, np.uint8)
+    *lead, n, row_bytes = b.shape
     if n % COLS:
         raise ValueError(f"regroup: {n} output columns are not a multiple of {COLS}")
-    g = n // COLS
-    # [..., g, i, b, j, c] → [..., g, b, j, i, c]: vector j's lane i holds bytes c of column i
-    u = u.reshape(*lead, g, COLS, nb, 8, 4)
-    u = np.moveaxis(u, -4, -2)  # [..., g, b, j, i, c]
-    if kind == "q4_1x8":
-        u = u[..., 0::2, :, :] | (u[..., 1::2, :, :] << 4)  # [..., g, b, 4, i, c]
-    w = u.reshape(*lead, g, nb, QUADS[kind] * 64)
-
-    def per_block(s):  # [..., N, nb] float16 → [..., g, nb, 16] bytes
-        s = np.moveaxis(s.reshape(*lead, g, COLS, nb), -1, -2)
-        return np.ascontiguousarray(s).view(np.uint8)
-
-    out = np.concatenate([w, per_block(d), per_block(m)], axis=-1)
-    return np.ascontiguousarray(out.reshape(*lead, g, nb * GROUP_BYTES[kind]))
+    g, nb, wb = n // COLS, row_bytes // size, GROUP_BYTES[kind] - 64
+    b = b.reshape(*lead, g, COLS, nb, size)  # [..., g, i, b, bytes]: column i of group g
+    out = np.empty((*lead, g, nb, GROUP_BYTES[kind]), np.uint8)
+    w32 = out[..., :wb].reshape(*lead, g, nb, QUADS[kind], COLS, 4).view(np.uint32)[..., 0]  # [..., g, b, j, i]
+    if gguf == "q4_1":
+        # word w of a block's 16 bytes holds weights 4w .. 4w + 3 (low nibbles) and 16 + 4w .. (high);
+        # vector j = 2p (low nibbles) + 2p + 1 (high) holds weights 8p + c and 8p + 4 + c
+        words = np.ascontiguousarray(b[..., 4:20]).view(np.uint32)  # [..., g, i, b, 4]
+        lo, hi = np.uint32(0x0F0F0F0F), np.uint32(0xF0F0F0F0)
+        for p in range(4):
+            a, e = words[..., 2 * (p % 2)], words[..., 2 * (p % 2) + 1]
+            v = (a & lo) | ((e << 4) & hi) if p < 2 else ((a >> 4) & lo) | (e & hi)
+            np.copyto(w32[..., p, :], np.moveaxis(v, -2, -1))
+        m16 = b[..., 2:4]
+    else:
+        words = np.ascontiguousarray(b[..., 2:34]).view(np.uint32)  # [..., g, i, b, 8]
+        np.bitwise_xor(words, np.uint32(0x80808080), out=words)  # q + 128 as a byte: the sign bit flipped
+        np.copyto(w32, np.moveaxis(words, -3, -1))
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)
+        m16 = (d.astype(np.float32) * np.float32(-128)).astype(np.float16).view(np.uint8)
+    scales = out[..., wb:].view(np.uint16).reshape(*lead, g, nb, 2, COLS)  # d[16] then m[16]
+    for k, s in enumerate((b[..., 0:2], m16)):
+        np.copyto(scales[..., k, :], np.moveaxis(np.ascontiguousarray(s).view(np.uint16)[..., 0], -2, -1))
+    return out.reshape(*lead, g, nb * GROUP_BYTES[kind])
 
 
 def _split(groups: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

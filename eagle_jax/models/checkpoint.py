@@ -101,7 +101,7 @@ def params_from_hf_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
         if keys[-1] == "kernel":
             arr = arr.T
         if layer is None:
-            flat[keys] = arr.astype(dt)
+            flat[keys] = arr.astype(dt, copy=False)  # no copy where the checkpoint has the dtype already
         else:  # each layer converted straight into its slot of the stack: one copy, no list of layers
             if keys not in flat:
                 flat[keys] = np.empty((cfg.num_layers, *arr.shape), dt)
