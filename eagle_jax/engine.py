@@ -30,6 +30,7 @@ from .models.registry import resolve_model
 from .program_cache import enable_program_cache
 from .sampling import SamplingParams, validate_sampling
 from .speculative import speculative_generate
+from .text_codec import load_codec, load_tokenizer
 from .tree import DEFAULT_STATIC_TREE, static_tree_of_size
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -77,37 +78,6 @@ def parse_prefill_chunk(spec: Optional[str]):
         raise ValueError(f"--prefill-chunk must be N or BIG,TAIL (e.g. 128,8), got {spec!r}")
     big, tail = prefill_plan(parts[0] if len(parts) == 1 else parts)
     return (big, tail) if tail else big
-
-
-# Model types whose directories `AutoTokenizer` loads as `TokenizersBackend` when their
-# tokenizer_config.json names that class (tests/test_engine_load.py checks each against it; qwen2
-# is not one: AutoTokenizer gives it Qwen2Tokenizer).
-BACKEND_TOKENIZER_TYPES = ("llama", "mistral", "qwen3")
-
-
-def load_tokenizer(path: Path):
-    """The tokenizer `transformers.AutoTokenizer.from_pretrained(path)` gives, without its detour
-    through the model configs where the directory settles the class: a tokenizer_config.json naming
-    `TokenizersBackend` (what transformers writes, e.g. for a converted GGUF) with a tokenizer.json,
-    no custom code, and a model type in `BACKEND_TOKENIZER_TYPES`. AutoTokenizer imports every
-    model config on the way, and PyTorch where it is installed: 4-5 s of each start on the Zen 4 VM
-    with torch (stop 64), about 0.6 s without; `TokenizersBackend` alone takes under 1 s. Any other
-    directory goes through AutoTokenizer."""
-    path = Path(path)
-    try:
-        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        tok_cfg, model_type = {}, None
-    if (isinstance(tok_cfg, dict) and tok_cfg.get("tokenizer_class") == "TokenizersBackend"
-            and "auto_map" not in tok_cfg and model_type in BACKEND_TOKENIZER_TYPES
-            and (path / "tokenizer.json").is_file()):
-        from transformers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(str(path))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def default_drafter_path(model_spec: str, kind: str) -> Optional[Path]:
@@ -248,7 +218,7 @@ class Engine:
             self.params = drop_shadowed_kernels(self.params)  # never read now: 425 MB on SmolLM2
         self.params = with_layer_layout(self.params, layers)
         self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
-        self.tokenizer = load_tokenizer(self.path)
+        self._codec, self._tokenizer = load_codec(self.path)  # a cached snapshot: no transformers import
         if progress:
             print(f"[eagle_jax] loaded {self.path.name} ({self.cfg.family}, {self.cfg.num_layers} layers, "
                   f"{dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -318,14 +288,22 @@ class Engine:
     def name(self) -> str:
         return self.model_spec if not Path(self.model_spec).exists() else self.path.name
 
+    @property
+    def tokenizer(self):
+        """The transformers tokenizer of the target (loaded on first use: encode / decode / the chat
+        template go through `text_codec`'s snapshot of it where there is one)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
     def _eos_ids(self) -> list[int]:
         ids = set()
         gen = self.path / "generation_config.json"
         if gen.exists():
             e = json.loads(gen.read_text()).get("eos_token_id")
             ids.update(e if isinstance(e, list) else [e] if e is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
+        if self._codec.eos_token_id is not None:
+            ids.add(self._codec.eos_token_id)
         return sorted(ids)
 
     # ------------------------------------------------------------------ prompts
@@ -334,13 +312,12 @@ class Engine:
         if raw:
             if not isinstance(prompt, str):
                 raise ValueError("raw prompts must be strings")
-            return list(self.tokenizer(prompt).input_ids)
+            return self._codec.encode(prompt)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._codec.encode(self._codec.render_chat(messages), add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self._codec.decode(ids)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> int:
         """The cache length for this request; ValueError naming the problem if it cannot fit."""

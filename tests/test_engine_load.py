@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from eagle_jax.engine import BACKEND_TOKENIZER_TYPES, Engine, load_tokenizer
+from eagle_jax.engine import Engine
+from eagle_jax.text_codec import BACKEND_TOKENIZER_TYPES, load_tokenizer
 from eagle_jax.kernels import cpu_qx
 from eagle_jax.models import checkpoint
 from eagle_jax.models.checkpoint import load_hf_dir, read_safetensors_dir
@@ -69,7 +70,7 @@ def test_tokenizer_start_imports_no_model_configs(tmp_path):
     """AutoTokenizer imports every model config, and PyTorch where it is installed (4-5 s); the
     directory's own class does not."""
     d = _tokenizer_dir(tmp_path / "tok", "llama")
-    code = ("import sys; from eagle_jax.engine import load_tokenizer; load_tokenizer(sys.argv[1]); "
+    code = ("import sys; from eagle_jax.text_codec import load_tokenizer; load_tokenizer(sys.argv[1]); "
             "print(sorted(m for m in ('torch', 'transformers.models.auto.configuration_auto') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
