@@ -1,5 +1,5 @@
 """What an Engine's start skips: the model configs (and PyTorch) that `AutoTokenizer` imports, where
-the directory already names its tokenizer class (`engine.load_tokenizer`), and, under int8 rows of
+the directory already names its tokenizer class (`text_codec.load_tokenizer`), and, under int8 rows of
 x, the float32 layer weights that the GGUF blocks replace (`load_hf_dir(omit=...)`, checked against
 the checkpoint instead, `attach_gguf_blocks(reference=...)`). The model and the tokenizer come out
 the same as without the shortcuts; a GGUF that leaves a projection unquantized gets everything read."""
