@@ -341,8 +341,9 @@ class Engine:
             raise ValueError(f"method {method!r} is not set up on this engine (call add_method first)")
         toks, lens = pack_prompts([prompt_ids], cache_len)
         sp = SamplingParams.create(1, temperature, top_p, top_k)
-        eos = jnp.asarray(self.eos_ids or [-1], jnp.int32)
-        return method, (jnp.asarray(toks), jnp.asarray(lens), jnp.int32(max_new_tokens), eos, sp,
+        eos = np.asarray(self.eos_ids or [-1], np.int32)
+        put = jax.device_put  # not jnp.asarray: no program compiled per shape
+        return method, (put(toks), put(np.asarray(lens)), put(np.int32(max_new_tokens)), put(eos), sp,
                         jax.random.PRNGKey(seed))
 
     def _program(self, method: str):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @flax.struct.dataclass
@@ -26,8 +27,9 @@ class SamplingParams:
     @classmethod
     def create(cls, batch: int = 1, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
         validate_sampling(temperature, top_p, top_k)
-        full = lambda v, dt: jnp.full((batch,), v, dt)
-        return cls(full(temperature, jnp.float32), full(top_p, jnp.float32), full(top_k, jnp.int32))
+        # numpy, then device_put: jnp.full compiles a small program per dtype (50 ms of a start, each)
+        full = lambda v, dt: jax.device_put(np.full((batch,), v, dt))
+        return cls(full(temperature, np.float32), full(top_p, np.float32), full(top_k, np.int32))
 
     @property
     def greedy(self) -> jax.Array:
