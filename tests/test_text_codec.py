@@ -160,6 +160,10 @@ def test_tokenizers_a_snapshot_cannot_reproduce_stay_with_transformers(tmp_path)
     d = _tiny_dir(tmp_path / "tok", clean_up_tokenization_spaces=True)
     codec, tok = load_codec(d, tmp_path / "cache")
     assert isinstance(codec, _HFCodec) and codec.tok is tok
+    other = _tiny_dir(tmp_path / "qwen2")  # AutoTokenizer gives qwen2 its own class (Qwen2Tokenizer)
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    codec2, tok2 = load_codec(other, tmp_path / "cache")
+    assert type(tok2).__name__ != "TokenizersBackend" and isinstance(codec2, _HFCodec)
     assert not (tmp_path / "cache" / "tokenizers").exists()
     assert codec.decode(tok("w5 w6").input_ids) == tok.decode(tok("w5 w6").input_ids, skip_special_tokens=True)
     assert load_tokenizer(d).clean_up_tokenization_spaces
