@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .compile_cache import enable_compile_cache
@@ -218,7 +217,8 @@ class Engine:
             self.params = drop_shadowed_kernels(self.params)  # never read now: 425 MB on SmolLM2
         self.params = with_layer_layout(self.params, layers)
         self.layers = "scan" if isinstance(self.params["layers"], dict) else "unroll"
-        self._codec, self._tokenizer = load_codec(self.path)  # a cached snapshot: no transformers import
+        self._tokenizer = None  # the transformers tokenizer, loaded when something needs it (`tokenizer`)
+        self._codec, self._tokenizer = load_codec(self.path, loader=lambda: self.tokenizer)  # a snapshot: no import
         if progress:
             print(f"[eagle_jax] loaded {self.path.name} ({self.cfg.family}, {self.cfg.num_layers} layers, "
                   f"{dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)

@@ -41,7 +41,7 @@ import os
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 FORMAT = 1
 # Files that decide a directory's tokenizer (config.json: the model type `load_tokenizer` checks).
@@ -238,22 +238,24 @@ class _HFCodec:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
 
-def load_codec(path: Path, cache_dir: Optional[Path] = None):
+def load_codec(path: Path, cache_dir: Optional[Path] = None, loader: Optional[Callable[[], object]] = None):
     """(codec, transformers tokenizer or None) for a model directory: the cached snapshot where there
-    is one (the tokenizer then None: not loaded), else the tokenizer from `load_tokenizer`, captured
-    into a new snapshot where it can be (`cache_dir`: default `registry.default_cache_dir()`)."""
+    is one (the tokenizer then None: not loaded), else the tokenizer, captured into a new snapshot
+    where it can be. `cache_dir`: default `registry.default_cache_dir()`; `loader`: what gives the
+    transformers tokenizer, here and for the chats a snapshot leaves to it (default: `load_tokenizer`
+    of the directory, once)."""
     from .models.registry import default_cache_dir
 
     path = Path(path)
-    fallback = functools.partial(load_tokenizer, path)
+    loader = loader or functools.cache(functools.partial(load_tokenizer, path))
     snap = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"{snapshot_key(path)}.json"
     if snap.is_file():
         try:
-            return SnapshotCodec(json.loads(snap.read_text()), fallback), None
+            return SnapshotCodec(json.loads(snap.read_text()), loader), None
         except Exception as e:  # noqa: BLE001 - any unreadable snapshot is captured again below
             print(f"[eagle_jax] ignoring the unreadable tokenizer snapshot {snap} ({e}); capturing it again",
                   file=sys.stderr)
-    tok = load_tokenizer(path)
+    tok = loader()
     record = SnapshotCodec.capture(tok)
     if record is None:
         return _HFCodec(tok), tok

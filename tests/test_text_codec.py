@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import eagle_jax
+from eagle_jax import text_codec
 
 from eagle_jax.text_codec import SnapshotCodec, _HFCodec, load_codec, load_tokenizer, snapshot_key
 from conftest import write_tiny_tokenizer
@@ -121,11 +122,17 @@ def test_snapshot_reproduces_templates_and_post_processor(tmp_path, bos_eos):
         assert str(ours.value) == str(theirs.value)
 
 
-def test_messages_with_other_values_go_through_transformers(tmp_path):
+def test_messages_with_other_values_go_through_transformers(tmp_path, monkeypatch):
     d = _tiny_dir(tmp_path / "tok", FEATURES_TEMPLATE)
-    codec, tok = load_codec(d, tmp_path / "cache")
+    tok = load_codec(d, tmp_path / "cache")[1]
+    loads = []
+    monkeypatch.setattr(text_codec, "load_tokenizer", lambda path: loads.append(path) or tok)
+    codec = load_codec(d, tmp_path / "cache")[0]  # from the snapshot: no tokenizer loaded
     chat = [{"role": "user", "content": np.str_("w5")}, {"role": "assistant", "content": "w6", "n": np.int64(3)}]
-    assert codec.render_chat(chat) == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert not loads
+    for _ in range(2):
+        assert codec.render_chat(chat) == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert loads == [d]  # loaded once, on the first chat that needed it
 
 
 def test_later_process_reads_the_snapshot_without_transformers(tmp_path):
