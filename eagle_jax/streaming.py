@@ -33,16 +33,11 @@ class TokenStream:
         """args: (tokens [1, S], prompt lengths [1], max_new_tokens, eos ids, sampling params, key)."""
         self.engine, self.method = engine, method
         tokens_bs, prompt_len_b, *self._args = args
-        self._read = int(prompt_len_b[0])  # tokens before _read were returned already
+        self._read = int(np.asarray(prompt_len_b)[0])  # tokens before _read were returned already
         self.tokens: list[int] = []
         self.t_start = time.perf_counter()
-        e = engine
-        if method == "vanilla":
-            self._state = decode_start(e.params, e.cfg, tokens_bs, prompt_len_b, *self._args,
-                                       prefill_chunk=e.prefill_chunk)
-        else:
-            self._state = spec_start(e.params, e.cfg, e.heads[method], tokens_bs, prompt_len_b, *self._args,
-                                     budget=e.budgets[method], prefill_chunk=e.prefill_chunk)
+        fn, a, kw = _start_call(engine, method, tokens_bs, prompt_len_b, self._args)
+        self._state = fn(*a, **kw)
         self.done = False
         self._first = True
 
@@ -57,16 +52,13 @@ class TokenStream:
         if self._first:
             self._first = False
         elif not self.done:
-            e = self.engine
-            if self.method == "vanilla":
-                self._state = decode_advance(e.params, e.cfg, self._state, *self._args, jnp.int32(n_steps))
-            else:
-                self._state = spec_advance(e.params, e.cfg, e.heads[self.method], self._state, *self._args,
-                                           budget=e.budgets[self.method], n_steps=jnp.int32(n_steps))
-        st = self._state
-        length, done = (int(x) for x in jax.device_get((st.length[0], st.done[0])))
-        new = [int(t) for t in np.asarray(jax.device_get(st.tokens[0, self._read:length]))] if length > self._read \
-            else []
+            fn, a, kw = _advance_call(self.engine, self.method, self._state, self._args, jnp.int32(n_steps))
+            self._state = fn(*a, **kw)
+        # whole arrays to the host, indexed there: indexing them on the device compiled a small program
+        # for every new slice length (0.1-0.2 s of a first stream, 4 programs)
+        tokens, length, done = jax.device_get((self._state.tokens, self._state.length, self._state.done))
+        length, done = int(length[0]), bool(done[0])
+        new = [int(t) for t in tokens[0, self._read:length]]
         self._read = length
         self.tokens.extend(new)
         self.done = bool(done)
@@ -84,6 +76,40 @@ class TokenStream:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.engine.finish_reason(self.tokens) if self.done else None
+
+
+def _start_call(e, method: str, tokens_bs, prompt_len_b, rest: list):
+    """(program, args, kwargs) that start a stream: one spelling for running it and for compiling it
+    (`compile_stream`), so that both hit the same cache entry."""
+    if method == "vanilla":
+        return decode_start, (e.params, e.cfg, tokens_bs, prompt_len_b, *rest), {"prefill_chunk": e.prefill_chunk}
+    return (spec_start, (e.params, e.cfg, e.heads[method], tokens_bs, prompt_len_b, *rest),
+            {"budget": e.budgets[method], "prefill_chunk": e.prefill_chunk})
+
+
+def _advance_call(e, method: str, state, rest: list, n_steps):
+    """(program, args, kwargs) that advance a stream by `n_steps` (an int32 scalar) steps."""
+    if method == "vanilla":
+        return decode_advance, (e.params, e.cfg, state, *rest, n_steps), {}
+    return spec_advance, (e.params, e.cfg, e.heads[method], state, *rest), {"budget": e.budgets[method],
+                                                                           "n_steps": n_steps}
+
+
+def compile_stream(engine, method: str, args: tuple) -> None:
+    """Trace and compile, without running them, the two programs that a `TokenStream` with these
+    arguments (as `Engine._request` builds them) runs: the start and the advance. XLA compiles a
+    program, and loads one from its disk cache, without holding the GIL, so threads can compile
+    several shapes at once (the server's cache buckets: `Engine.compile_streams`)."""
+    tokens_bs, prompt_len_b, *rest = args
+    fn, a, kw = _start_call(engine, method, tokens_bs, prompt_len_b, rest)
+    lowered = fn.lower(*a, **kw)
+    compiled = lowered.compile()
+    # the advance gets the start's output: its types and where it lies (a different sharding is a
+    # different program), as the running stream will hand them over
+    state = jax.tree.map(lambda t, sh: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sh, weak_type=t.weak_type),
+                         lowered.out_info, compiled.output_shardings)
+    fn, a, kw = _advance_call(engine, method, state, rest, jax.ShapeDtypeStruct((), jnp.int32))
+    fn.lower(*a, **kw).compile()
 
 
 class IncrementalText:

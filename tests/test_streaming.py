@@ -3,6 +3,7 @@ and text deltas with stop strings add up to the right text."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from eagle_jax.cpu_jit import TRACE_COUNTS
@@ -53,6 +54,30 @@ def test_stream_steps_per_call_and_compile_once(engine):
     assert len(b) < 25 and sum(map(len, b)) <= 25
     again = engine.start_stream(prompt, 30, cache_len=128, method="eagle3")
     assert [t for c in _stream_all(again, 4) for t in c] == a
+
+
+def test_compile_streams_compiles_what_streams_run(engine):
+    """`Engine.compile_streams` traces and compiles, in threads, the programs that streams of those
+    cache sizes then run: running them traces and compiles none of them again."""
+    names = ("spec_start", "spec_advance")
+    before = {n: TRACE_COUNTS.get(n, 0) for n in names}
+    assert engine.compile_streams([72, 88], method="eagle3") >= 0
+    assert {n: TRACE_COUNTS.get(n, 0) for n in names} == {n: before[n] + 2 for n in names}
+    compiled = []  # XLA compilations (a persistent-cache hit counts too) of the programs run below
+
+    def listen(event, secs, fun_name="", **kw):
+        if event.endswith("backend_compile_duration"):
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for cache_len in (72, 88):
+            stream = engine.start_stream([1, 5, 9], 12, cache_len=cache_len, method="eagle3")
+            assert sum(map(len, _stream_all(stream, 2))) == 12
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert {n: TRACE_COUNTS.get(n, 0) for n in names} == {n: before[n] + 2 for n in names}
+    assert not [f for f in compiled if "spec_" in f], compiled
 
 
 def test_stream_stops_between_calls(engine):

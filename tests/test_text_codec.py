@@ -21,7 +21,8 @@ from eagle_jax.text_codec import SnapshotCodec, _HFCodec, load_codec, load_token
 from conftest import write_tiny_tokenizer
 
 DATA = Path(eagle_jax.__file__).parent / "data"
-TEXTS = ["", " ", "  two leading spaces", "trailing  ", "\n\n\t", "naïve café 🦅 中文 ﬁ", "x = [1, 2]\n\tdef f():",
+TEXTS = ["", " ", "  two leading spaces", "trailing  ", "\n\n\t", "naïve café 🦅 中文 ﬁ",
+         "x = [1, 2]\n\tdef f():",
          "<|im_start|>user\nhi<|im_end|>", "<|endoftext|> and <s> </s> w5", "a" * 300]
 CHATS = [
     [{"role": "user", "content": "Écris un haïku sur le décodage spéculatif, s'il te plaît. 🦅"}],
@@ -74,7 +75,8 @@ def _tiny_dir(path, template=None, bos_eos=False, **config):
         from tokenizers import Tokenizer, processors
 
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                           special_tokens=[("<s>", 1), ("</s>", 2)])
         tok.enable_truncation(max_length=4)  # which transformers turns off for a plain call
         tok.enable_padding(length=64, pad_id=0)
         tok.save(str(path / "tokenizer.json"))
@@ -138,7 +140,8 @@ def test_messages_with_other_values_go_through_transformers(tmp_path, monkeypatc
 def test_later_process_reads_the_snapshot_without_transformers(tmp_path):
     d, cache = _tiny_dir(tmp_path / "tok", FEATURES_TEMPLATE), tmp_path / "cache"
     codec, tok = load_codec(d, cache)
-    code = ("import json, sys; from eagle_jax.text_codec import load_codec; c, tok = load_codec(sys.argv[1], sys.argv[2]); "
+    code = ("import json, sys; from eagle_jax.text_codec import load_codec; "
+            "c, tok = load_codec(sys.argv[1], sys.argv[2]); "
             "chat = [{'role': 'user', 'content': 'w5 w6'}]; "
             "print(json.dumps([tok is None, 'transformers' in sys.modules, c.encode(c.render_chat(chat), False), "
             "c.decode([1, 5, 2, 7])]))")
