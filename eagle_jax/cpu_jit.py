@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 
 import jax
 
@@ -34,6 +35,7 @@ from . import program_cache
 
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 TRACE_COUNTS: dict[str, int] = {}  # trace_name -> traces of that program in this process
+_COUNT_LOCK = threading.Lock()
 
 
 def _traced(fn, static_names: frozenset, name: str, cached: bool):
@@ -43,7 +45,8 @@ def _traced(fn, static_names: frozenset, name: str, cached: bool):
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
+        with _COUNT_LOCK:  # programs may be traced in threads (`Engine.compile_streams`)
+            TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
         if cached:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()

@@ -44,6 +44,7 @@ import os
 import pickle
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -103,9 +104,12 @@ def source_fingerprint() -> str:
 
 
 def _environment() -> str:
-    """What else a trace depends on, read at every key: JAX's settings and the CPU kernels' state."""
+    """What else a trace depends on, read at every key: JAX's settings and the CPU kernels' state,
+    loaded first (before stop 68 a process's first key was taken before anything had loaded the
+    kernels, and a later trace of the same program got another key: a second file, and a miss)."""
     from .kernels import cpu_matmul
 
+    cpu_matmul.available()
     kernels = {k: v for k, v in cpu_matmul._state.items() if k in ("ok", "isa", "b16", "i8", "qx")}
     return repr(([(name, getattr(jax.config, name, None)) for name in _CONFIG], sorted(kernels.items())))
 
@@ -173,7 +177,7 @@ def _read(path: Path):
 
 
 def _write(path: Path, exported, out_tree) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # written whole, then renamed: never half a file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # whole, then renamed
     try:
         with open(tmp, "wb") as f:
             pickle.dump({"format": FORMAT, "out_tree": out_tree, "exported": bytes(exported.serialize())}, f)

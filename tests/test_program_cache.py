@@ -4,6 +4,8 @@ direct trace whenever they cannot be used."""
 
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -195,3 +197,15 @@ def test_the_cache_can_be_turned_off(monkeypatch, tmp_path):
     assert program_cache.enable_program_cache() is None and program_cache.program_cache_dir() is None
     monkeypatch.setenv("EAGLE_JAX_PROGRAM_CACHE", str(tmp_path / "p"))
     assert program_cache.enable_program_cache() == tmp_path / "p" and (tmp_path / "p").is_dir()
+
+
+def test_a_programs_key_does_not_depend_on_whether_the_kernels_were_loaded_yet():
+    """A fresh process's first key used to be taken before anything had loaded the CPU kernels, and
+    the same program's key after that differed (a second file, a miss): the key loads them first."""
+    code = ("import jax, sys; from eagle_jax import program_cache; from eagle_jax.decoding import generate_tokens; "
+            "from eagle_jax.kernels import cpu_matmul; "
+            "key = lambda: program_cache.program_key(generate_tokens, {}, jax.tree.structure(()), []); "
+            "loaded = 'ok' in cpu_matmul._state; first = key(); cpu_matmul.available(); "
+            "print(loaded, first == key())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
