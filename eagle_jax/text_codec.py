@@ -259,11 +259,13 @@ def load_codec(path: Path, cache_dir: Optional[Path] = None, loader: Optional[Ca
     record = SnapshotCodec.capture(tok)
     if record is None:
         return _HFCodec(tok), tok
+    tmp = snap.with_suffix(f".{os.getpid()}.tmp")
     try:
         snap.parent.mkdir(parents=True, exist_ok=True)
-        tmp = snap.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, snap)
+        os.replace(tmp, snap)  # written whole, then renamed: a reader never sees half a snapshot
     except OSError as e:  # a read-only cache only costs the next start its speed
         print(f"[eagle_jax] could not save a tokenizer snapshot to {snap} ({e})", file=sys.stderr)
+    finally:
+        tmp.unlink(missing_ok=True)
     return SnapshotCodec(record, lambda: tok), tok
