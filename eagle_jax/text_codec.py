@@ -81,12 +81,16 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def snapshot_key(path: Path) -> str:
-    """The hash of a directory's tokenizer files (names and bytes) and of the installed transformers
-    and tokenizers versions: the name of its snapshot."""
+def snapshot_key(path: Path) -> Optional[str]:
+    """The hash of a directory's tokenizer files (names and bytes) and of the installed transformers,
+    tokenizers and jinja2 versions: the name of its snapshot. None where a version cannot be read
+    (a package installed without its metadata): no snapshot then, since an upgrade would go unseen."""
     h = hashlib.sha256(f"format {FORMAT}".encode())
     for pkg in ("transformers", "tokenizers", "jinja2"):
-        h.update(f"\0{pkg} {metadata.version(pkg)}".encode())
+        try:
+            h.update(f"\0{pkg} {metadata.version(pkg)}".encode())
+        except metadata.PackageNotFoundError:
+            return None
     for name in TOKENIZER_FILES:
         f = Path(path) / name
         if f.is_file():
@@ -248,7 +252,11 @@ def load_codec(path: Path, cache_dir: Optional[Path] = None, loader: Optional[Ca
 
     path = Path(path)
     loader = loader or functools.cache(functools.partial(load_tokenizer, path))
-    snap = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"{snapshot_key(path)}.json"
+    key = snapshot_key(path)
+    if key is None:
+        tok = loader()
+        return _HFCodec(tok), tok
+    snap = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"{key}.json"
     if snap.is_file():
         try:
             return SnapshotCodec(json.loads(snap.read_text()), loader), None

@@ -177,3 +177,17 @@ def test_tokenizers_a_snapshot_cannot_reproduce_stay_with_transformers(tmp_path)
     assert not (tmp_path / "cache" / "tokenizers").exists()
     assert codec.decode(tok("w5 w6").input_ids) == tok.decode(tok("w5 w6").input_ids, skip_special_tokens=True)
     assert load_tokenizer(d).clean_up_tokenization_spaces
+
+
+def test_without_a_packages_version_there_is_no_snapshot(tmp_path, monkeypatch):
+    """A snapshot's name covers the library versions; where one cannot be read, an upgrade would go
+    unseen, so the tokenizer stays with transformers."""
+    d = _tiny_dir(tmp_path / "tok")
+
+    def version(pkg):
+        raise text_codec.metadata.PackageNotFoundError(pkg)
+
+    monkeypatch.setattr(text_codec.metadata, "version", version)
+    codec, tok = load_codec(d, tmp_path / "cache")
+    assert isinstance(codec, _HFCodec) and codec.tok is tok and snapshot_key(d) is None
+    assert not (tmp_path / "cache" / "tokenizers").exists()
