@@ -61,7 +61,7 @@ class TokenStream:
         new = [int(t) for t in tokens[0, self._read:length]]
         self._read = length
         self.tokens.extend(new)
-        self.done = bool(done)
+        self.done = done
         return new
 
     @property

@@ -24,8 +24,9 @@ loop controls, `{% generation %}`, `tojson`, `raise_exception`, `strftime_now`, 
 `namespace`) after its clean-up of the messages (keys with None dropped, reasoning fields aliased).
 tests/test_text_codec.py checks every path against transformers, on the real SmolLM2 tokenizer too.
 
-The key hashes the directory's tokenizer files and config.json with the versions of transformers and
-tokenizers, so an edited file or an upgrade captures a new snapshot. A tokenizer that the snapshot
+The key hashes the directory's tokenizer files and config.json with the versions of transformers,
+tokenizers and jinja2, so an edited file or an upgrade captures a new snapshot (no snapshot where a
+version cannot be read). A tokenizer that the snapshot
 could not reproduce (another class, `split_special_tokens`, `clean_up_tokenization_spaces`, several
 named chat templates) is used through transformers, as is a chat whose messages hold anything but
 plain JSON values (transformers would turn such values into placeholders).
