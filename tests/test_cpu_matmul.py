@@ -5,6 +5,7 @@ the dequantised weights bit for bit; a draft head's compact rows keep decoding l
 model through the kernel: test_gguf_blocks.py."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -401,6 +402,36 @@ def test_instruction_set_follows_the_cpu_flags_and_the_override(monkeypatch):
     with pytest.raises(RuntimeError, match="no AVX512"):
         cm.cpu_isa()
     assert cm.isa() in cm.ISAS  # what the other tests here ran on
+
+
+def test_prefetch_switch_is_measured_once_kept_and_overridable(tmp_path, monkeypatch):
+    """The quantized kernels' software prefetches (cpu_matmul_prefetch.h): measured on the machine the
+    first time (both timings kept beside the library), read back after, re-measured when the record
+    is unreadable; EAGLE_JAX_CPU_PREFETCH=0/1 decides without measuring. Leaves the switch as it was."""
+    lib, record = cm._state["lib"], tmp_path / "lib.prefetch.json"
+    before = lib.eagle_jax_prefetch()
+    calls = []
+    measure = cm._measure_prefetch
+    monkeypatch.setattr(cm, "_measure_prefetch", lambda *a: calls.append(1) or measure(*a))
+    monkeypatch.delenv("EAGLE_JAX_CPU_PREFETCH", raising=False)
+    try:
+        first = cm._set_prefetch(lib, record)
+        saved = json.loads(record.read_text())
+        if cm._state.get("qx"):
+            assert saved["prefetch"] == first == (saved["on_ms"] < saved["off_ms"]) and saved["off_ms"] > 0
+            assert lib.eagle_jax_prefetch() == int(first)
+        assert cm._set_prefetch(lib, record) == first and len(calls) == 1  # read back, not measured
+        record.write_text(json.dumps({"prefetch": not first}))
+        assert cm._set_prefetch(lib, record) == (not first) and lib.eagle_jax_prefetch() == int(not first)
+        record.write_text("{")
+        cm._set_prefetch(lib, record)
+        assert len(calls) == 2 and "prefetch" in json.loads(record.read_text())
+        for env, want in (("0", 0), ("1", 1)):
+            monkeypatch.setenv("EAGLE_JAX_CPU_PREFETCH", env)
+            assert cm._set_prefetch(lib, record) == bool(want) and lib.eagle_jax_prefetch() == want
+        assert len(calls) == 2
+    finally:
+        lib.eagle_jax_set_prefetch(before)
 
 
 @pytest.mark.skipif(cm.isa() != "avx512", reason="the kernels built here are the AVX2 ones already")

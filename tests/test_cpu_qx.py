@@ -80,6 +80,32 @@ def test_kernel_computes_the_int8_products_each_row_its_own(kind, k, n):
 
 @needs_qx
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_products_are_the_same_with_and_without_prefetches_and_on_every_split(kind):
+    """The software-prefetch switch changes when lines are read, never the result; and however the
+    columns are split among the threads (contiguous ranges, the rest taken from the others' backs),
+    every column is computed once: wide products (many chunks) equal the reference and each other."""
+    from eagle_jax.kernels import cpu_matmul as cm
+
+    blocks, _ = _blocks(kind, 4096, 576, seed=7)
+    groups = jnp.asarray(cpu_qx.regroup(blocks, kind))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 576)).astype(np.float32))
+    want = cpu_qx.reference_xmatmul(np.asarray(x), np.asarray(groups), kind)
+    lib, before = cm._state["lib"], cm._state["lib"].eagle_jax_prefetch()
+    f = jax.jit(lambda x, g: cpu_qx.xmatmul(x, g, kind))
+    try:
+        outs = []
+        for on in (1, 0, 1, 0):
+            lib.eagle_jax_set_prefetch(on)
+            outs.append(np.asarray(f(x, groups)))
+    finally:
+        lib.eagle_jax_set_prefetch(before)
+    np.testing.assert_allclose(outs[0], want, rtol=0, atol=2e-6 * np.abs(want).max())
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])
+
+
+@needs_qx
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_kernel_sums_extreme_blocks_exactly(kind):
     """Weights at the ends of their range (Q8_0: -128 and 127; Q4_1: 0 and 15) against rows of x at
     +-127 steps (|x| = 127 exactly: sx = 1): every product and sum is an integer that float32 holds,
