@@ -404,6 +404,7 @@ def test_instruction_set_follows_the_cpu_flags_and_the_override(monkeypatch):
     assert cm.isa() in cm.ISAS  # what the other tests here ran on
 
 
+@needs_qx  # (the measurement times the int8-row kernels; without them nothing is measured or kept)
 def test_prefetch_switch_is_measured_once_kept_and_overridable(tmp_path, monkeypatch):
     """The quantized kernels' software prefetches (cpu_matmul_prefetch.h): measured on the machine the
     first time (both timings kept beside the library), read back after, re-measured when the record
@@ -417,9 +418,8 @@ def test_prefetch_switch_is_measured_once_kept_and_overridable(tmp_path, monkeyp
     try:
         first = cm._set_prefetch(lib, record)
         saved = json.loads(record.read_text())
-        if cm._state.get("qx"):
-            assert saved["prefetch"] == first == (saved["on_ms"] < saved["off_ms"]) and saved["off_ms"] > 0
-            assert lib.eagle_jax_prefetch() == int(first)
+        assert saved["prefetch"] == first == (saved["on_ms"] < saved["off_ms"]) and saved["off_ms"] > 0
+        assert lib.eagle_jax_prefetch() == int(first)
         assert cm._set_prefetch(lib, record) == first and len(calls) == 1  # read back, not measured
         record.write_text(json.dumps({"prefetch": not first}))
         assert cm._set_prefetch(lib, record) == (not first) and lib.eagle_jax_prefetch() == int(not first)
