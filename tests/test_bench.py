@@ -112,6 +112,7 @@ def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert set(out) >= {"methods", "machine"} and out["methods"]["vanilla"]["prompts"] == 2
     assert out["machine"]["cpu_isa"] in (None, "avx512", "avx2") and "cpu_family_model" in out["machine"]
+    assert out["machine"]["cpu_kernel_prefetch"] in (None, True, False)
     assert {"tokens_per_s", "tau", "new_tokens", "seconds"} <= set(out["methods"]["vanilla"])
     assert "| vanilla |" in md.read_text()
 
