@@ -480,6 +480,23 @@ def test_finalists_timed_again_choose_by_both_timings():
     assert confirm_finalists(rows[:1], lambda i: 1 / 0, 3) == 0  # one row: nothing timed again
 
 
+def test_matmul_microbenchmark_chains_its_products():
+    """Each product's input depends on the product before (so they run one after another, as in a
+    decoding step), by a term too small to change the float32 values of x."""
+    import jax
+    import jax.numpy as jnp
+
+    from eagle_jax.kernels.matmul_bench import _chained
+
+    x = jnp.full((1, 4), 2.0)
+    # y = [1e30 w, x0, x1]: the first product (w = 1) adds 1e-30 * 1e30 = 1 to x; the last (w = 0)
+    # sums what it was given, 3 + 3 (independent products would give 2 + 2)
+    big = lambda x, w: jnp.concatenate([jnp.full((1, 1), 1e30 * w), x[:, :2]], axis=1)
+    assert float(_chained(big)(x, [1.0, 0.0])) == 6.0
+    small = jax.jit(_chained(lambda x, w: x * w))
+    assert float(small(x, [jnp.float32(3.0), jnp.float32(0.5)])) == 4 * 2.0 * 0.5  # x unchanged by 1e-30 * 6
+
+
 def test_matmul_microbenchmark_times_every_row_kind(capsys):
     from eagle_jax.kernels import cpu_matmul as cm
     from eagle_jax.kernels import matmul_bench

@@ -1,8 +1,9 @@
 """`python -m eagle_jax.bench matmul`: the few-row products of a decoding step, several ways.
 
 For each row count T, one jitted program multiplies [T, K] by `--matrices` different weight
-matrices of shape [K, N] (default: SmolLM2's 60 MLP gate/up matrices, 576 × 1536) and sums the
-results, through (a) XLA's dot on float32 weights, (b) the float32 CPU kernel (AVX-512 or AVX2)
+matrices of shape [K, N] (default: SmolLM2's 60 MLP gate/up matrices, 576 × 1536), one after
+another as a decoding step does (`_chained`), through (a) XLA's dot on float32 weights, (b) the
+float32 CPU kernel (AVX-512 or AVX2)
 (`cpu_matmul.matmul`), (c) the kernel on Q4_1 blocks (`cpu_matmul.qmatmul` with precomputed
 scales; random weights quantised with gguf), as the target's layers use it, and the draft head's
 row kinds: (d) Q8_0 blocks, where the kernel has AVX512-VNNI (e) int8 tiles (`cpu_matmul.imatmul`),
@@ -39,6 +40,20 @@ def _median_ms(fn, args, reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _chained(product):
+    """(x, weights) -> the last product's sum, each product's input made to depend on the one before
+    (x plus 1e-30 times its first column: the same float32 values), so that they run one after
+    another, as a decoding step's do. Independent products (before stop 69) could run side by side,
+    each splitting its columns over the same threads: one kernel thread then timed faster than two,
+    the opposite of a decoding step."""
+    def fn(x, ws):
+        for w in ws:
+            y = product(x, w)
+            x = x + 1e-30 * y[:, :1]
+        return y.sum()
+    return fn
+
+
 def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, reps: int = 20,
         seed: int = 0) -> list[dict]:
     from gguf import GGMLQuantizationType, quants
@@ -58,11 +73,13 @@ def run(rows=(1, 2, 4, 8, 16), k: int = 576, n: int = 1536, matrices: int = 60, 
     qx = ({kind: [jnp.asarray(cpu_qx.regroup(np.asarray(b), f"{kind}x8")) for b, _ in q[kind]] for kind in q}
           if cpu_qx.available() else None)
 
-    xla = jax.jit(lambda x, ws: sum(jnp.dot(x, w).sum() for w in ws))
-    f32 = jax.jit(lambda x, ws: sum(cm.matmul(x, w).sum() for w in ws))
-    qsum = jax.jit(lambda x, bs, kind: sum(cm.qmatmul(x, b, kind, s).sum() for b, s in bs), static_argnames="kind")
-    i8_fn = jax.jit(lambda x, ps: sum(cm.imatmul(x, p, s, n).sum() for p, s in ps))
-    qx_fn = jax.jit(lambda x, gs, kind: sum(cpu_qx.xmatmul(x, g, kind).sum() for g in gs), static_argnames="kind")
+    xla = jax.jit(_chained(jnp.dot))
+    f32 = jax.jit(_chained(cm.matmul))
+    qsum = jax.jit(lambda x, bs, kind: _chained(lambda x, b: cm.qmatmul(x, b[0], kind, b[1]))(x, bs),
+                   static_argnames="kind")
+    i8_fn = jax.jit(_chained(lambda x, p: cm.imatmul(x, p[0], p[1], n)))
+    qx_fn = jax.jit(lambda x, gs, kind: _chained(lambda x, g: cpu_qx.xmatmul(x, g, kind))(x, gs),
+                    static_argnames="kind")
     out = []
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
