@@ -35,6 +35,8 @@ from .tree import DEFAULT_STATIC_TREE, static_tree_of_size
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SPEC_METHODS = ("eagle1", "eagle2", "eagle3")
 DEFAULT_LOOKUP = 6  # prompt-lookup chain in the default dynamic tree (tuned and packaged budgets say their own)
+# The warm-up request: `compile_streams` compiles the programs that `warm_stream` then runs with it.
+WARM_PROMPT, WARM_TOKENS = "Hi", 2
 
 
 def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optional[int] = None,
@@ -384,8 +386,8 @@ class Engine:
         from .streaming import compile_stream
 
         t0 = time.perf_counter()
-        ids = self.encode("Hi")
-        requests = [self._request(ids, 2, temperature, top_p, top_k, 0, c, method) for c in cache_lens]
+        ids = self.encode(WARM_PROMPT)
+        requests = [self._request(ids, WARM_TOKENS, temperature, top_p, top_k, 0, c, method) for c in cache_lens]
         with ThreadPoolExecutor(max(1, len(requests))) as pool:
             list(pool.map(lambda r: compile_stream(self, *r), requests))  # list(): raise what a thread raised
         return time.perf_counter() - t0
@@ -395,7 +397,7 @@ class Engine:
         streaming two tokens of a short prompt; the seconds that took (the server's warm-up per cache
         bucket, the chat's before its first prompt)."""
         t0 = time.perf_counter()
-        stream = self.start_stream(self.encode("Hi"), 2, cache_len=cache_len, **sampling)
+        stream = self.start_stream(self.encode(WARM_PROMPT), WARM_TOKENS, cache_len=cache_len, **sampling)
         while not stream.done:
             stream.advance(1)
         return time.perf_counter() - t0
