@@ -15,6 +15,12 @@ benchmark prompts decoded speculatively drifted from plain decoding. XLA's older
 (`xla_cpu_use_fusion_emitters=False`) compile such fusions the same way everywhere; the decoding
 programs measured as fast with them (170 vs 167 tokens/s plain, 213 vs 213 EAGLE-3).
 
+The emitters are not the only source: XLA:CPU always lets LLVM contract a multiply and an add into
+one fused multiply-add, and at backend optimisation levels 1 and 2 (not 0 or 3) how it contracted
+RoPE's `x cos + rot sin` depended on the fused loop's length, so the CPU-kernel path rotates with
+exact products, which no contraction changes (`models/layers.py`, `apply_rope(..., exact=True)`).
+Glue that multiplies and adds in one fusion must be written that way too.
+
 `cpu_stable_jit` is `jax.jit` with that compiler option when JAX's default backend is the CPU, and
 plain `jax.jit` elsewhere (the option is XLA:CPU's; GPUs and TPUs compile as before). It keeps the
 jitted function's `lower`, `clear_cache` and `_cache_size`. On the CPU backend its programs also go

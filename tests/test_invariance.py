@@ -172,3 +172,66 @@ def test_a_one_row_window_write_is_not_a_loop():
     hlo = lambda slots: jit.lower(cache, slots, x).compile().as_text()
     assert " while(" in hlo(block_slots(BlockStart(start), 3))  # the scatter: a loop (else this test proves nothing)
     assert " while(" not in hlo(BlockStart(start))
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_rotated_keys_are_the_same_bits_whatever_the_block_and_backend_level(level):
+    """RoPE fused into the cache write, as a layer compiles it: a token's rotated key must not depend
+    on how many tokens share the block (a decoding step's 1, a tree's N). At XLA's backend levels 1 and
+    2 LLVM contracted `x cos + rot sin` differently for one row and for several (66 of 192 values
+    differed); the exact form (`apply_rope(..., exact=True)`, what the CPU-kernel path uses) must
+    give the same bits at every level. Also checks it is x cos + rot sin to within an ulp or two."""
+    from eagle_jax.cpu_jit import CPU_COMPILER_OPTIONS
+    from eagle_jax.models.layers import BlockStart, apply_rope, block_slots, write_block
+
+    opts = {**CPU_COMPILER_OPTIONS, "xla_backend_optimization_level": level}
+
+    def layer_write(qkv, cos, sin, k_all, length, t, exact):
+        k = apply_rope(qkv[:, :t, 576:768].reshape(1, t, 3, 64), cos[:, :t], sin[:, :t], exact)
+        return write_block(k_all, 0, BlockStart(length) if t > 1 else block_slots(BlockStart(length), 1), k)
+
+    rng = np.random.default_rng(level)
+    qkv = rng.standard_normal((1, 7, 960)).astype(np.float32)  # SmolLM2's fused q, k, v: 3 KV heads of 64
+    ang = rng.uniform(0, 100, (1, 7, 32)).astype(np.float32)
+    ang = np.concatenate([ang, ang], -1)
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    k_all, length = np.zeros((2, 1, 64, 3, 64), np.float32), np.asarray([40], np.int32)
+    run = lambda t: np.asarray(jax.jit(layer_write, static_argnums=(5, 6), compiler_options=opts)(
+        qkv, cos, sin, k_all, length, t, True))[0, 0, 40:40 + t]
+    one = run(1)[0]
+    for t in (2, 3, 5, 7):
+        np.testing.assert_array_equal(run(t)[0], one, err_msg=f"a {t}-token block rotated its first key differently")
+    k64 = qkv[0, 0, 576:768].reshape(3, 64).astype(np.float64)
+    want = k64 * cos[0, 0] + np.concatenate([-k64[:, 32:], k64[:, :32]], -1) * sin[0, 0]
+    np.testing.assert_allclose(one, want, rtol=0, atol=4 * np.spacing(np.abs(want).astype(np.float32)).max())
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_cpu_kernel_layers_give_a_token_the_same_bits_in_a_step_and_in_a_tree(level, rng):
+    """The decoder on the CPU-kernel path (what lossless decoding compares across programs), compiled
+    at XLA backend levels where LLVM's contractions vary with the loop: the first token's logits and
+    cached keys are the same bits in a one-token step and a three-token chain verified at once."""
+    import dataclasses
+
+    from eagle_jax.cpu_jit import CPU_COMPILER_OPTIONS
+    from eagle_jax.kernels import cpu_matmul
+
+    if not cpu_matmul.available():
+        pytest.skip(f"no CPU kernels: {cpu_matmul.unavailable_reason()}")
+    cfg, params = twin(make_hf_model("llama"))
+    cfg = dataclasses.replace(cfg, matmul_impl="cpu_kernel")
+    params = unstack_layers(params)
+    opts = {**CPU_COMPILER_OPTIONS, "xla_backend_optimization_level": level}
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)))
+    cache = forward(params, cfg, prompt, cache=KVCache.create(cfg, batch=1, max_len=32)).cache
+    cache = cache.advance(jnp.full((1,), 9, jnp.int32))
+
+    def step(ids, cache, t):
+        c = cfg.for_rows(t) if t > 1 else cfg
+        out = forward(params, c, ids, cache=cache, block_fits=t > 1)
+        return lm_logits(params, c, out.hidden), out.cache.k
+
+    run = lambda t: jax.jit(step, static_argnums=2, compiler_options=opts)(prompt[:, :t] + 1, cache, t)
+    (l1, k1), (l3, k3) = run(1), run(3)
+    np.testing.assert_array_equal(np.asarray(k3)[:, :, 9], np.asarray(k1)[:, :, 9])
+    np.testing.assert_array_equal(np.asarray(l3)[:, 0], np.asarray(l1)[:, 0])

@@ -66,12 +66,42 @@ def rope_cos_sin(cfg: ModelConfig, positions_bt: jax.Array):
     return jax.lax.cond(jnp.all(positions_bt >= 0), both, both, emb)
 
 
-def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
+def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array, exact: bool = False) -> jax.Array:
+    """x cos + rotate_half(x) sin. `exact` (float32 only): the same sum from exact products, so that
+    a token's result does not depend on how the compiler contracts multiplies into adds (below)."""
     half = x_bthd.shape[-1] // 2
     rot = jnp.concatenate([-x_bthd[..., half:], x_bthd[..., :half]], axis=-1)
     cos = cos_btd[:, :, None, :].astype(x_bthd.dtype)
     sin = sin_btd[:, :, None, :].astype(x_bthd.dtype)
+    if exact and x_bthd.dtype == jnp.float32:
+        return _exact_product(x_bthd, cos) + _exact_product(rot, sin)
     return x_bthd * cos + rot * sin
+
+
+# XLA:CPU lets LLVM contract a multiply and an add into one fused multiply-add wherever it likes
+# (CompilerTargetOptions: AllowFPOpFusion = Fast, with no flag to turn it off), and `a * b + c * d`
+# can become fma(a, b, c * d), fma(c, d, a * b) or neither. Which one a given element gets depends on
+# how LLVM compiled the fused loop, and that changes with the loop's length: measured on SmolLM2 at
+# XLA's backend optimisation levels 1 and 2 (XLA_FLAGS=--xla_backend_optimization_level=1|2), the
+# rotated keys of a token differed in 56 of 192 values between a one-token decoding step and a
+# three-token tree verification, so 10 of 16 benchmark prompts decoded speculatively drifted from
+# plain decoding (levels 0 and 3 happened to compile both alike). A product that is exact leaves
+# nothing for a contraction to change: fma(a, b, c) and (a * b) + c round the same exact sum once.
+# So each factor is split into two halves of 12 significant bits (hi + lo, exactly), whose four
+# products are exact in float32 (24 bits), and they are summed in a fixed order, paired so that no
+# two products of a sum share a factor (XLA would be free to factor those). The result is x cos to
+# within an ulp; only the decoding path whose bits must match across programs uses it.
+def _split12(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 a = hi + lo exactly, each with at most 12 significant bits."""
+    hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.int32) & jnp.int32(-4096), jnp.float32)
+    return hi, a - hi
+
+
+def _exact_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b (float32, broadcasting) summed from four exact products (see above)."""
+    ah, al = _split12(a)
+    bh, bl = _split12(b)
+    return (ah * bh + al * bl) + (ah * bl + al * bh)
 
 
 def _softmax_or_zeros(scores):
@@ -312,8 +342,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = rms_norm(cfg, cfg.head_dim, "q_norm")(q)
             k = rms_norm(cfg, cfg.head_dim, "k_norm")(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        exact = cfg.matmul_impl == "cpu_kernel"  # the path that promises the same bits in every program
+        q = apply_rope(q, cos, sin, exact)
+        k = apply_rope(k, cos, sin, exact)
         if cache is None:
             out = dense_attention(q, k, v, mask_bts)
         elif isinstance(cache, RolloutKeys):
