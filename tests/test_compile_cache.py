@@ -18,7 +18,8 @@ from eagle_jax.compile_cache import enable_compile_cache
 path = enable_compile_cache()
 f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3.0)
 f(jnp.ones((16, 8))).block_until_ready()
-print(json.dumps({"path": str(path), "config": jax.config.jax_compilation_cache_dir, "hits": len(hits)}))
+print(json.dumps({"path": str(path), "config": jax.config.jax_compilation_cache_dir, "hits": len(hits),
+                  "max_size": jax.config.jax_compilation_cache_max_size}))
 """
 
 
@@ -49,3 +50,43 @@ def test_a_directory_chosen_for_jax_is_kept(tmp_path):
     assert got["path"] == got["config"] == str(mine)
     assert not (tmp_path / "ej").exists()
     assert any(mine.iterdir())
+
+
+def _legacy_entry(directory, size: int):
+    """An entry as an uncapped JAX cache writes it: the data, and no access-time file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = directory / "legacy-cache"
+    entry.write_bytes(os.urandom(size))
+    return entry
+
+
+def test_the_default_directory_is_capped_and_older_entries_get_access_times(tmp_path):
+    from eagle_jax.compile_cache import DEFAULT_MAX_BYTES
+
+    home = tmp_path / "ej"
+    entry = _legacy_entry(home / "xla", 1000)
+    got = _run({"EAGLE_JAX_CACHE": str(home)}, tmp_path)
+    assert got["max_size"] == DEFAULT_MAX_BYTES
+    stamp = home / "xla" / "legacy-atime"
+    assert stamp.exists(), "an entry written without a cap got no access time: JAX's eviction would fail on it"
+    assert int.from_bytes(stamp.read_bytes(), "little") == entry.stat().st_mtime_ns
+    assert entry.exists(), "nothing should be evicted under the default cap"
+
+
+def test_a_cap_evicts_entries_written_without_one(tmp_path):
+    """Over the cap, the oldest entry goes, even one written before there was a cap; the new
+    program is written (without the access time JAX's eviction raises and caches nothing)."""
+    home = tmp_path / "ej"
+    entry = _legacy_entry(home / "xla", 400_000)
+    got = _run({"EAGLE_JAX_CACHE": str(home), "JAX_COMPILATION_CACHE_MAX_SIZE": "300000"}, tmp_path)
+    assert got["max_size"] == 300_000 and got["hits"] == 0
+    assert not entry.exists(), "the least recently used entry was not evicted"
+    assert [p for p in (home / "xla").iterdir() if p.name.endswith("-cache")], "the new program was not cached"
+
+
+def test_no_cap_when_the_user_says_so(tmp_path):
+    home = tmp_path / "ej"
+    entry = _legacy_entry(home / "xla", 1000)
+    got = _run({"EAGLE_JAX_CACHE": str(home), "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}, tmp_path)
+    assert got["max_size"] == -1 and entry.exists()
+    assert not (home / "xla" / "legacy-atime").exists()

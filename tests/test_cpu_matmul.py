@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -432,6 +433,52 @@ def test_prefetch_switch_is_measured_once_kept_and_overridable(tmp_path, monkeyp
         assert len(calls) == 2
     finally:
         lib.eagle_jax_set_prefetch(before)
+
+
+def test_old_kernel_builds_are_pruned_most_recently_used_kept(tmp_path):
+    """A new build deletes all but the KEEP_BUILDS most recently used libraries (the new one always
+    stays) with their prefetch records, and build leftovers a day old; nothing else is touched."""
+    now = time.time()
+
+    def lib(name, age_s, record=True):
+        p = tmp_path / f"cpu_matmul_avx2_{name}.so"
+        p.write_bytes(b"so")
+        if record:
+            p.with_suffix(".prefetch.json").write_text("{}")
+        os.utime(p, (now - age_s, now - age_s))
+        return p
+
+    current = lib("new", 3600)  # just renamed into place: its mtime is the build's, any age
+    libs = [lib(f"k{i}", 60 * (i + 1), record=i % 2 == 0) for i in range(6)]  # k0 most recent
+    stale_tmp, fresh_tmp = tmp_path / "cpu_matmul_avx2_x.123.tmp", tmp_path / "cpu_matmul_avx2_y.456.tmp"
+    for p, age in ((stale_tmp, 2 * 86400), (fresh_tmp, 60)):
+        p.write_bytes(b"")
+        os.utime(p, (now - age, now - age))
+    other = tmp_path / "notes.txt"
+    other.write_text("mine")
+    gone = cm._prune_builds(tmp_path, current, keep=3)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    kept = [current, *libs[:2]]
+    assert left == sorted([p.name for p in kept] + [p.with_suffix(".prefetch.json").name for p in kept
+                                                     if p.with_suffix(".prefetch.json").exists()]
+                          + [fresh_tmp.name, other.name])
+    assert all(not p.exists() for p in libs[2:]) and not stale_tmp.exists()
+    assert sum(p.suffix == ".so" for p in gone) == 4
+
+
+def test_using_a_kernel_build_marks_it_recently_used(tmp_path, monkeypatch):
+    """`_build` finds its library built already: it dates it now (so pruning keeps the libraries in
+    use), builds nothing and prunes nothing."""
+    monkeypatch.setattr(cm, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cm.subprocess, "run", lambda *a, **k: pytest.fail("built again"))
+    path, _ = cm._library(cm.isa())
+    others = [tmp_path / f"cpu_matmul_avx2_old{i}.so" for i in range(cm.KEEP_BUILDS + 2)]
+    for p in (path, *others):
+        p.write_bytes(b"so")
+        os.utime(p, (time.time() - 86400,) * 2)
+    assert cm._build(cm.isa()) == path
+    assert time.time() - path.stat().st_mtime < 60
+    assert all(p.exists() for p in others)
 
 
 @pytest.mark.skipif(cm.isa() != "avx512", reason="the kernels built here are the AVX2 ones already")

@@ -29,12 +29,14 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
+
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ ANY_ROWS = 1 << 62  # `matmul(..., max_rows=ANY_ROWS)`: the kernel whatever the 
 MATMUL_IMPLS = ("xla", "cpu_kernel")
 
 _lock = threading.Lock()
+KEEP_BUILDS = 4  # built libraries kept in the kernels' cache, most recently used first (_prune_builds)
 _state: dict = {}
 
 
@@ -102,7 +105,9 @@ def _cache_dir() -> Path:
     return default_cache_dir() / "kernels"
 
 
-def _build(isa: str) -> Path:
+def _library(isa: str) -> tuple[Path, list[str]]:
+    """(where the library for `isa` is kept, named by a hash of what it is built from; the command
+    that builds it, writing to a temporary file that `_build` then renames)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
@@ -111,17 +116,55 @@ def _build(isa: str) -> Path:
     key = hashlib.sha256(src + " ".join(flags).encode() + cxx.encode() + jaxlib.__version__.encode()
                          + platform.node().encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_matmul_{isa}_{key}.so"
+    return out, [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, _SOURCES), "-o"]
+
+
+def _build(isa: str) -> Path:
+    out, cmd = _library(isa)
     if out.exists():
+        try:
+            os.utime(out)  # its last use, for _prune_builds
+        except OSError:  # a read-only cache
+            pass
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, _SOURCES), "-o", str(tmp)]
+    cmd.append(str(tmp))
     log.info("building the CPU matmul kernel (%s): %s", isa, " ".join(cmd))
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"building {', '.join(p.name for p in _SOURCES)} failed:\n{res.stderr[-2000:]}")
     os.replace(tmp, out)
+    _prune_builds(out.parent, out)
     return out
+
+
+def _prune_builds(directory: Path, current: Path, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Delete from the kernels' cache all but the `keep` most recently used libraries (`current`,
+    just built, stays), with their prefetch records, and the leftovers of builds a day old. Every
+    source change builds a new library (0.5 MB) under a new name, and nothing else removes the old
+    ones. A process that still wants a deleted one builds it again. Returns what was deleted."""
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:  # deleted meanwhile by another process
+            return 0.0
+
+    libs = sorted((p for p in directory.glob("cpu_matmul_*.so") if p != current), key=mtime, reverse=True)
+    old = [p for lib in libs[max(keep - 1, 0):] for p in (lib, lib.with_suffix(".prefetch.json"))]
+    old += [p for p in directory.glob("cpu_matmul_*.tmp") if time.time() - mtime(p) > 86400]
+    gone = []
+    for p in old:
+        try:
+            p.unlink()
+            gone.append(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.debug("could not delete %s: %s", p, e)
+    if gone:
+        log.info("deleted %d old CPU kernel builds from %s", sum(p.suffix == ".so" for p in gone), directory)
+    return gone
 
 
 def _load() -> bool:
