@@ -55,6 +55,7 @@ import jax
 
 from .draft.drafting import TreeBudget
 from .step_profile import profile_spec_step
+from .atomic_file import write_atomic
 
 DEFAULT_CANDIDATES = (3, 4, 6, 8, 12, 16, 24, 32, 48)  # 3: a CPU's best, where rows cost
 DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
@@ -361,10 +362,7 @@ def autotune_budget(engine, method: str, prompts: list[list[int]], *, candidates
 def save_budget(record: dict, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
 def load_budget(path: Path, method: Optional[str] = None) -> TreeBudget:

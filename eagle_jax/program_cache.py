@@ -44,13 +44,14 @@ import os
 import pickle
 import shutil
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import jax
 import jaxlib
 from jax import export as jax_export
+
+from .atomic_file import write_atomic
 
 log = logging.getLogger("eagle_jax.program_cache")
 
@@ -177,13 +178,7 @@ def _read(path: Path):
 
 
 def _write(path: Path, exported, out_tree) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # whole, then renamed
-    try:
-        with open(tmp, "wb") as f:
-            pickle.dump({"format": FORMAT, "out_tree": out_tree, "exported": bytes(exported.serialize())}, f)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, pickle.dumps({"format": FORMAT, "out_tree": out_tree, "exported": bytes(exported.serialize())}))
 
 
 def _export(fn: Callable, static: dict, names: tuple[str, ...], in_tree, avals):

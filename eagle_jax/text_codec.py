@@ -38,11 +38,12 @@ import datetime
 import functools
 import hashlib
 import json
-import os
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from .atomic_file import write_atomic
 
 FORMAT = 1
 # Files that decide a directory's tokenizer (config.json: the model type `load_tokenizer` checks).
@@ -268,13 +269,9 @@ def load_codec(path: Path, cache_dir: Optional[Path] = None, loader: Optional[Ca
     record = SnapshotCodec.capture(tok)
     if record is None:
         return _HFCodec(tok), tok
-    tmp = snap.with_suffix(f".{os.getpid()}.tmp")
     try:
         snap.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, snap)  # written whole, then renamed: a reader never sees half a snapshot
+        write_atomic(snap, json.dumps(record))  # a reader never sees half a snapshot
     except OSError as e:  # a read-only cache only costs the next start its speed
         print(f"[eagle_jax] could not save a tokenizer snapshot to {snap} ({e})", file=sys.stderr)
-    finally:
-        tmp.unlink(missing_ok=True)
     return SnapshotCodec(record, lambda: tok), tok

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from ..atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -213,12 +214,10 @@ def _measure_prefetch(lib, record: Path) -> bool:
     on = on_ms < off_ms
     log.info("CPU kernel prefetches %s: 120 products in %.2f ms with, %.2f ms without (%d threads)",
              "on" if on else "off", on_ms, off_ms, workers)
-    tmp = record.with_suffix(f".{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({"prefetch": on, "on_ms": on_ms, "off_ms": off_ms, "workers": workers}))
-        os.replace(tmp, record)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+        write_atomic(record, json.dumps({"prefetch": on, "on_ms": on_ms, "off_ms": off_ms, "workers": workers}))
+    except OSError:  # a read-only cache: measured again next time
+        pass
     return on
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .data import load_conversations
+from ..atomic_file import write_atomic
 
 
 def _log(msg: str) -> None:
@@ -96,7 +97,5 @@ def update_summary(out_dir: Path, **fields) -> dict:
     path = Path(out_dir) / "summary.json"
     summary = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     summary.update(fields)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(summary, indent=2))
     return summary

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..models.config import ModelConfig
 from .objectives import target_argmax, teacher
+from ..atomic_file import write_atomic
 
 
 class FeatureStore:
@@ -217,9 +218,7 @@ def cache_features(target_params, tcfg: ModelConfig, head_cfg, examples: Sequenc
             fa.flush()
             start += len(spans)
             meta["num_examples"] += len(spans)
-            tmp = index.with_suffix(".tmp")
-            tmp.write_text(json.dumps(meta))
-            tmp.replace(index)  # the index only ever names fully written examples
+            write_atomic(index, json.dumps(meta))  # the index only ever names fully written examples
             bar.update(len(spans))
     bar.close()
     return out

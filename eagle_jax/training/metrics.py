@@ -20,6 +20,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from ..atomic_file import write_atomic
+
 log = logging.getLogger(__name__)
 
 _ACC = re.compile(r"^acc_(\d+)$")
@@ -57,9 +59,7 @@ class MetricsLog:
         if not (self.enabled and self.path.exists()):
             return
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
