@@ -112,7 +112,7 @@ def machine_info() -> dict:
     isa = cpu_matmul.cpu_isa_or_none()  # what the CPU kernels build for ("avx512", "avx2"), None without
     return {"platform": platform.platform(), "cpu": cpu, "cpu_family_model": f"{fields.get('cpu family', '?')}/"
             f"{fields.get('model', '?')}", "cpu_isa": isa, "cpu_kernel_prefetch": cpu_matmul._state.get("prefetch"),
-            "cpu_count": os.cpu_count(),
+            "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),  # e.g. the backend level
             "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
             "jax_devices": [str(d) for d in jax.devices()]}
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
     assert set(out) >= {"methods", "machine"} and out["methods"]["vanilla"]["prompts"] == 2
     assert out["machine"]["cpu_isa"] in (None, "avx512", "avx2") and "cpu_family_model" in out["machine"]
     assert out["machine"]["cpu_kernel_prefetch"] in (None, True, False)
+    assert out["machine"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")  # the tests' backend level, say
     assert {"tokens_per_s", "tau", "new_tokens", "seconds"} <= set(out["methods"]["vanilla"])
     assert "| vanilla |" in md.read_text()
 
