@@ -471,12 +471,15 @@ def test_using_a_kernel_build_marks_it_recently_used(tmp_path, monkeypatch):
     use), builds nothing and prunes nothing."""
     monkeypatch.setattr(cm, "_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(cm.subprocess, "run", lambda *a, **k: pytest.fail("built again"))
-    path, _ = cm._library(cm.isa())
+    try:
+        path, _ = cm._library("avx2")  # its name only: any instruction set, no CPU needed
+    except RuntimeError as e:  # no C++ compiler: no library names either
+        pytest.skip(str(e))
     others = [tmp_path / f"cpu_matmul_avx2_old{i}.so" for i in range(cm.KEEP_BUILDS + 2)]
     for p in (path, *others):
         p.write_bytes(b"so")
         os.utime(p, (time.time() - 86400,) * 2)
-    assert cm._build(cm.isa()) == path
+    assert cm._build("avx2") == path
     assert time.time() - path.stat().st_mtime < 60
     assert all(p.exists() for p in others)
 
