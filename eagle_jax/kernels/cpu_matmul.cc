@@ -267,12 +267,8 @@ struct Job {
   void work(bool helper = false) {
     const int64_t me = helper ? joined.fetch_add(1) : 0;
     if (me >= workers) return;
-    for (int64_t c; (c = claim(me, true)) >= 0;) {
-      run_chunk(c);
-      done.fetch_add(1, std::memory_order_release);
-    }
-    for (int64_t k = 1; k < workers; ++k)
-      for (int64_t c; (c = claim((me + k) % workers, false)) >= 0;) {
+    for (int64_t k = 0; k < workers; ++k)  // its own range from the front, then the others' from the back
+      for (int64_t c; (c = claim((me + k) % workers, k == 0)) >= 0;) {
         run_chunk(c);
         done.fetch_add(1, std::memory_order_release);
       }
