@@ -64,18 +64,18 @@ def stamp_access_times(path: Path) -> int:
     modification time), so that JAX's size-capped eviction can rank it. Returns how many it wrote."""
     written = 0
     try:
-        entries = [p for p in path.iterdir() if p.name.endswith(_CACHE_SUFFIX)]
+        names = set(os.listdir(path))  # one listing, not a lookup per entry: this runs at every start
     except OSError:
         return 0
-    for entry in entries:
-        atime = entry.with_name(entry.name[: -len(_CACHE_SUFFIX)] + _ATIME_SUFFIX)
-        if atime.exists():
+    for name in names:
+        stamp = name[: -len(_CACHE_SUFFIX)] + _ATIME_SUFFIX
+        if not name.endswith(_CACHE_SUFFIX) or stamp in names:
             continue
         try:
-            atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+            (path / stamp).write_bytes((path / name).stat().st_mtime_ns.to_bytes(8, "little"))
             written += 1
         except OSError as e:  # removed meanwhile by another process's eviction, or read-only
-            log.debug("no access time for %s: %s", entry, e)
+            log.debug("no access time for %s: %s", name, e)
     return written
 
 
