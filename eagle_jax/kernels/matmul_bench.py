@@ -3,8 +3,9 @@
 For each row count T, one jitted program multiplies [T, K] by `--matrices` different weight
 matrices of shape [K, N] (default: SmolLM2's 60 MLP gate/up matrices, 576 × 1536), one after
 another as a decoding step does (`_chained`), through (a) XLA's dot on float32 weights, (b) the
-float32 CPU kernel (AVX-512 or AVX2) (`cpu_matmul.matmul`), (c) the kernel on Q4_1 blocks (`cpu_matmul.qmatmul` with precomputed
-scales; random weights quantised with gguf), as the target's layers use it, and the draft head's
+float32 CPU kernel (AVX-512 or AVX2) (`cpu_matmul.matmul`), (c) the kernel on Q4_1 blocks
+(`cpu_matmul.qmatmul` with precomputed scales; random weights quantised with gguf), as the
+target's layers use it, and the draft head's
 row kinds: (d) Q8_0 blocks, where the kernel has AVX512-VNNI (e) int8 tiles (`cpu_matmul.imatmul`),
 and where it has int8 rows of x (AVX512-VNNI or AVX2) (f) the Q4_1 blocks regrouped for them
 (`cpu_qx.xmatmul`, the target's layers with `activations="int8"`) and (g) the Q8_0 blocks regrouped
