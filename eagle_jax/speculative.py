@@ -25,10 +25,11 @@ import jax.numpy as jnp
 
 from .cpu_jit import cpu_stable_jit
 from .decoding import prefill, prefill_plan, run_chunks
-from .draft.drafting import Tree, TreeBudget, draft_candidates, draft_tree
+from .draft.drafting import Tree, TreeBudget, draft_candidates_and_cache, draft_tree_and_cache
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
 from .models.config import ModelConfig
 from .models.decoder import KVCache, forward, lm_logits
+from .models.layers import BlockStart
 from .sampling import SamplingParams, sample
 from .tree import accept_from_logits, ancestor_mask, node_depths, rerank
 from .tree.lookup import graft_chain, lookup_chain
@@ -128,18 +129,25 @@ def propose_tree(head: DraftHead, target_params, tcfg: ModelConfig, st: "SpecSta
     """The step's tree: the head's draft, with the lookup chain grafted on when `budget.lookup`
     (`TreeBudget`: a dynamic tree gives the chain the rows of its `lookup` weakest nodes in the
     batch rows where a chain adds nodes; a static tree gets `lookup` more rows)."""
+    return propose_tree_and_cache(head, target_params, tcfg, st, budget)[0]
+
+
+def propose_tree_and_cache(head: DraftHead, target_params, tcfg: ModelConfig, st: "SpecState",
+                           budget: TreeBudget) -> tuple[Tree, KVCache]:
+    """`propose_tree` and the head's cache with the drafting's scratch slots written: what step 5
+    writes into (`drafting.draft_tree_and_cache`; no copy of the cache as it was)."""
     if not budget.lookup:
-        return draft_tree(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
+        return draft_tree_and_cache(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
     chain, chain_ok = lookup_chain(st.tokens, st.length, budget.lookup, budget.lookup_ngram, budget.lookup_min_ngram)
     if budget.kind == "static":
-        tree = draft_tree(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
-        return Tree(*graft_chain(*tree, chain, chain_ok))
-    cands = draft_candidates(head, target_params, tcfg, st.h_root, st.dcache, budget)
+        tree, dcache = draft_tree_and_cache(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
+        return Tree(*graft_chain(*tree, chain, chain_ok)), dcache
+    *cands, dcache = draft_candidates_and_cache(head, target_params, tcfg, st.h_root, st.dcache, budget)
     whole = rerank(*cands, st.root, budget.total_tokens)
     short = rerank(*cands, st.root, budget.total_tokens - budget.lookup)
     grafted = graft_chain(*short, chain, chain_ok)
     use = jnp.any(grafted[2][:, budget.total_tokens - budget.lookup:], axis=1)[:, None]
-    return Tree(*(jnp.where(use, g, w) for g, w in zip(grafted, whole)))
+    return Tree(*(jnp.where(use, g, w) for g, w in zip(grafted, whole))), dcache
 
 
 def verify_tree(target_params, tcfg: ModelConfig, head: DraftHead, tcache: KVCache, tree, depth: int):
@@ -154,6 +162,21 @@ def verify_tree(target_params, tcfg: ModelConfig, head: DraftHead, tcache: KVCac
     return out, lm_logits(target_params, tcfg, out.hidden)
 
 
+def _commit_path(all_lbshd, p_b, path_bd):
+    """The stacked cache [L, B, S, Hkv, Dh] with slots P..P+D of each row set to its slots P + path
+    (the accepted path's keys, root first; D = max_depth, all inside the tree's slots, which the
+    cache has room for). One row writes them as one window: XLA:CPU expands a scatter into a loop
+    over its keys under the decoding programs' options (`layers.write_block`), 2 loops of about
+    25 us a step for SmolLM2 (30 layers, 3 slots)."""
+    b, d1 = path_bd.shape
+    rows = jnp.arange(b)[:, None]
+    picked = all_lbshd[:, rows, p_b[:, None] + path_bd]  # [L, B, D+1, Hkv, Dh]
+    if b == 1:
+        zero = jnp.int32(0)
+        return jax.lax.dynamic_update_slice(all_lbshd, picked, (zero, zero, p_b[0].astype(jnp.int32), zero, zero))
+    return all_lbshd.at[:, rows, p_b[:, None] + jnp.arange(d1)[None, :]].set(picked, mode="drop")
+
+
 def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_new_tokens, eos_ids,
           sp: SamplingParams, key, budget: TreeBudget) -> SpecState:
     """One draft → verify → accept → commit → re-feed-the-head step (rows already done stay put)."""
@@ -165,17 +188,15 @@ def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_
     embed = target_params["embed_tokens"]["embedding"]
     k_step = jax.random.fold_in(key, step + 1)
     p = tcache.length
-    tree = propose_tree(head, target_params, tcfg, st, budget)
+    tree, dcache = propose_tree_and_cache(head, target_params, tcfg, st, budget)
     out, logits = verify_tree(target_params, tcfg, head, tcache, tree, depth)
     acc_res = accept_from_logits(k_step, *tree, logits, sp, depth)
     m = jnp.where(done, 0, acc_res.num_accepted_b)
     path = jnp.where(acc_res.path_bd >= 0, acc_res.path_bd, 0)
 
     # Commit the accepted path's keys/values to contiguous slots P..P+m.
-    src, dst = p[:, None] + path, p[:, None] + j[None, :]
-    k_all = out.cache.k.at[:, rows[:, None], dst].set(out.cache.k[:, rows[:, None], src], mode="drop")
-    v_all = out.cache.v.at[:, rows[:, None], dst].set(out.cache.v[:, rows[:, None], src], mode="drop")
-    tcache = out.cache.replace(k=k_all, v=v_all, length=p + jnp.where(done, 0, m + 1))
+    tcache = out.cache.replace(k=_commit_path(out.cache.k, p, path), v=_commit_path(out.cache.v, p, path),
+                               length=p + jnp.where(done, 0, m + 1))
 
     # Tokens produced: the accepted drafts, then the bonus; cut at EOS, the budget, the buffer.
     path_tok = jnp.take_along_axis(tree.tokens_bn, path, axis=1)
@@ -194,7 +215,8 @@ def _step(target_params, tcfg: ModelConfig, head: DraftHead, st: SpecState, max_
 
     # The head consumes the path's target features with the next tokens (t_{P+1}..t_{P+m+1}).
     feat = jnp.take_along_axis(_features(out.captured), path[:, :, None], axis=1)
-    h, dcache = head_step(head, embed, emitted, fuse_features(head, feat), p[:, None] + j[None, :], dcache)
+    h, dcache = head_step(head, embed, emitted, fuse_features(head, feat), p[:, None] + j[None, :], dcache,
+                          slots_bt=BlockStart(p))  # fits: the head's cache has max_depth + 1 slots past s
     dcache = dcache.replace(length=tcache.length)
     h_root = jnp.where(new_done[:, None], h_root, h[rows, m])
     root = jnp.where(new_done, root, acc_res.bonus_b)

@@ -300,3 +300,96 @@ def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):
             assert int(jnp.max(node_depths(b.parents_bn, b.valid_bn, unclipped.max_depth))) == 4
         for x, y in zip(a, b):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+ONE_ROW_BUDGETS = {"dynamic": DYNAMIC, "static": STATIC,
+                   "chain": TreeBudget("dynamic", total_tokens=8, depth=6, top_k=1),
+                   "serving": TreeBudget("dynamic", total_tokens=3, depth=1, top_k=2)}
+
+
+@pytest.mark.parametrize("budget_name", list(ONE_ROW_BUDGETS))
+@pytest.mark.parametrize("head_name", ["oracle", "eagle3-random", "eagle1-random"])
+def test_one_row_writes_windows_and_equals_plain_greedy_up_to_the_buffer_end(tiny_llama, head_name, budget_name,
+                                                                             rng):
+    """One row, as `serve` decodes: the head's draft levels and re-feed and the commit of the
+    accepted path are written as windows (`layers.BlockStart`, `speculative._commit_path`), the
+    target's layers unrolled as on the CPU. Plain greedy's tokens up to the last slot of the
+    buffer, and the oracle, drafting the target's own chain, has every step's chain accepted
+    (a key written to the wrong slot would cut it short)."""
+    from eagle_jax.models.decoder import unstack_layers
+
+    _, cfg, params = tiny_llama
+    unrolled = unstack_layers(params)
+    head = _heads(cfg, unrolled)[head_name]
+    budget = ONE_ROW_BUDGETS[budget_name]
+    prompts = [list(rng.integers(3, cfg.vocab_size, 22))]
+    ref, lens = _run(generate_tokens, unrolled, cfg, prompts, 60, cache_len=40)
+    assert int(ref.length[0]) == 40  # stopped by the buffer, not the budget
+    out, _ = _run(speculative_generate, unrolled, cfg, prompts, 60, cache_len=40, head=head, budget=budget)
+    assert _rows(out, lens) == _rows(ref, lens)
+    if head_name == "oracle" and budget_name in ("chain", "static"):  # the rank-0 chain is the target's greedy
+        acc = np.asarray(out.accept_lengths)[0, :int(out.steps)]
+        assert (acc[:-1] == budget.max_depth + 1).all(), acc
+
+
+@pytest.mark.parametrize("head_name", ["oracle", "eagle3-random"])
+def test_draft_cache_slots_past_the_committed_length_never_matter(tiny_llama, head_name, rng):
+    """Drafting writes its scratch keys into the head's cache in place and the re-feed writes over
+    them (no copy of the cache a step: `drafting.draft_tree_and_cache`), so whatever lies past the
+    committed length must be invisible to every later query. Filled with large random values
+    there, both caches give the same tokens and the same accepted lengths, step for step."""
+    from eagle_jax.models.decoder import unstack_layers
+
+    _, cfg, params = tiny_llama
+    unrolled = unstack_layers(params)
+    head = _heads(cfg, unrolled)[head_name]
+    budget = TreeBudget("dynamic", total_tokens=6, depth=3, top_k=2)
+    toks, lens = pack_prompts([list(rng.integers(3, cfg.vocab_size, 13))], 64)
+    args = (jnp.int32(40), jnp.asarray([-1], jnp.int32), SamplingParams.create(1), jax.random.PRNGKey(0))
+    st = speculative.spec_start(unrolled, cfg, head, jnp.asarray(toks), jnp.asarray(lens), *args, budget=budget,
+                                prefill_chunk=16)
+
+    first = 1 if head.cfg.kind == "oracle" else 0  # the oracle's slot 0 holds t_0: draft slot s is its s + 1
+
+    def scrambled(c, seed):
+        past = jnp.arange(c.max_len)[None, None, :, None, None] >= first + c.length[None, :, None, None, None]
+        noise = lambda x, k: jnp.where(past, 1e3 * jax.random.normal(k, x.shape, x.dtype), x)
+        return c.replace(k=noise(c.k, jax.random.PRNGKey(seed)), v=noise(c.v, jax.random.PRNGKey(seed + 1)))
+
+    runs = []
+    for dcache in (st.dcache, scrambled(st.dcache, 7)):
+        s = jax.tree.map(jnp.copy, st._replace(dcache=dcache))
+        for _ in range(4):  # a few calls: the state between calls is scrambled too, once
+            s = speculative.spec_advance(unrolled, cfg, head, s, *args, budget=budget, n_steps=jnp.int32(3))
+            if dcache is not st.dcache:
+                s = s._replace(dcache=scrambled(s.dcache, int(s.step)))
+        runs.append(s)
+    a, b = runs
+    assert int(a.step) == int(b.step) >= 4
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.acc), np.asarray(b.acc))
+
+
+def test_a_step_copies_neither_cache(tiny_llama, rng):
+    """The compiled step of one row writes drafting's scratch, the re-feed and the accepted path
+    into the caches in place: no copy of either cache (XLA copied the head's whole cache every
+    step while drafting wrote into a copy of it, 2 x 45 us for SmolLM2's head) and no loop of a
+    scatter over a cache (`write_block`)."""
+    from eagle_jax.models.decoder import unstack_layers
+
+    _, cfg, params = tiny_llama
+    unrolled = unstack_layers(params)
+    head = _heads(cfg, unrolled)["eagle3-random"]
+    budget = TreeBudget("dynamic", total_tokens=6, depth=3, top_k=2)
+    toks, lens = pack_prompts([list(rng.integers(3, cfg.vocab_size, 13))], 64)
+    args = (jnp.int32(40), jnp.asarray([-1], jnp.int32), SamplingParams.create(1), jax.random.PRNGKey(0))
+    st = speculative.spec_start(unrolled, cfg, head, jnp.asarray(toks), jnp.asarray(lens), *args, budget=budget,
+                                prefill_chunk=16)
+    hlo = speculative.spec_advance.lower(unrolled, cfg, head, st, *args, budget=budget,
+                                         n_steps=jnp.int32(3)).compile().as_text()
+    for cache in (st.dcache, st.tcache):
+        shape = "f32[" + ",".join(map(str, cache.k.shape)) + "]"
+        copies = [ln for ln in hlo.splitlines() if f"= {shape}" in ln and " copy(" in ln]
+        loops = [ln for ln in hlo.splitlines()  # a scatter that XLA:CPU expanded into a loop over its keys
+                 if " while(" in ln and shape in ln.split(" while(")[0] and '/scatter"' in ln]
+        assert not copies and not loops, (copies + loops)[:2]

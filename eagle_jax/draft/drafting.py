@@ -5,7 +5,11 @@ root token t_P), whose logits propose the root's children. Frontier nodes of tre
 back at draft position P + i - 1, their keys written to the draft cache's scratch slots past the
 committed length (slot P + (i-1)·W + j), where each node attends to the committed prefix, its
 ancestors' scratch slots and itself. Nothing here advances the draft cache: after verification the
-accepted path is re-run over those slots (`speculative.py`).
+accepted path is re-run over those slots (`speculative.py`). `draft_tree_and_cache` also returns
+the cache with the scratch slots written, for that re-run to write into: the scratch lies past the
+committed length, where no later query looks until a later write has replaced it, so the re-run
+needs no copy of the cache as it was before drafting (XLA copied the whole draft cache at every
+step to keep that).
 
 Output of both: `Tree(tokens_bn, parents_bn, valid_bn)` — node 0 is the root, parents precede
 children, siblings in draft-rank order (the contract of `eagle_jax.tree`).
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.decoder import KVCache
+from ..models.layers import BlockStart
 from ..sampling import argmax_last
 from ..tree import StaticTree, rerank
 from .heads import DraftHead, head_logits, head_step, to_target_ids
@@ -168,13 +173,23 @@ def draft_dynamic(head: DraftHead, target_params, target_cfg, h_root_bd, root_b,
                   budget: TreeBudget) -> Tree:
     """EAGLE-2: expand the top_k frontier by path value (sum of log-probs) for `depth` steps, then keep
     the best total_tokens - 1 candidates (plus the root)."""
-    cands = draft_candidates(head, target_params, target_cfg, h_root_bd, cache, budget)
-    return Tree(*rerank(*cands, root_b, budget.total_tokens))
+    return _dynamic(head, target_params, target_cfg, h_root_bd, root_b, cache, budget)[0]
+
+
+def _dynamic(head, target_params, target_cfg, h_root_bd, root_b, cache: KVCache, budget: TreeBudget):
+    *cands, cache = draft_candidates_and_cache(head, target_params, target_cfg, h_root_bd, cache, budget)
+    return Tree(*rerank(*cands, root_b, budget.total_tokens)), cache
 
 
 def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cache: KVCache, budget: TreeBudget):
     """EAGLE-2's expansion: (tokens, cumulative log-prob scores, parent candidate) [B, C] of every
     candidate in generation order, for `tree.rerank`."""
+    return draft_candidates_and_cache(head, target_params, target_cfg, h_root_bd, cache, budget)[:3]
+
+
+def draft_candidates_and_cache(head: DraftHead, target_params, target_cfg, h_root_bd, cache: KVCache,
+                               budget: TreeBudget):
+    """`draft_candidates` and the draft cache with the expansion's scratch slots written (module doc)."""
     k, depth = budget.top_k, budget.depth
     b = h_root_bd.shape[0]
     embed = target_params["embed_tokens"]["embedding"]
@@ -185,7 +200,7 @@ def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cach
 
     def level(carry, i):
         tok_f, h_f, score_f, cand_f, vis_f, cache = carry
-        slots = cache.length[:, None] + i * k + jnp.arange(k)[None, :]
+        slots = BlockStart(cache.length + i * k)  # fits: the cache has `budget.scratch` slots past the prefix
         mask = _scratch_mask(cache.length, cache.max_len, vis_f, 0)
         h_out, cache = head_step(head, embed, tok_f, h_f, jnp.broadcast_to((pos0 + i)[:, None], (b, k)), cache,
                                  slots, mask)
@@ -204,17 +219,21 @@ def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cach
     vis0 = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(k), n_scr, dtype=bool)[None], (b, k, n_scr))
     h0 = jnp.broadcast_to(h_root_bd[:, None, :], (b, k, h_root_bd.shape[-1]))
     init = (tok0, h0, p0, jnp.broadcast_to(jnp.arange(k)[None], (b, k)), vis0, cache)
-    _, (toks, scores, parents) = jax.lax.scan(level, init, jnp.arange(depth))
+    last, (toks, scores, parents) = jax.lax.scan(level, init, jnp.arange(depth))
     flat = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, depth * k * k)
     cand_tok = jnp.concatenate([tok0, flat(toks)], axis=1)
     cand_score = jnp.concatenate([p0, flat(scores)], axis=1)
     cand_parent = jnp.concatenate([jnp.full((b, k), -1, jnp.int32), flat(parents).astype(jnp.int32)], axis=1)
-    return cand_tok, cand_score, cand_parent
+    return cand_tok, cand_score, cand_parent, last[-1]
 
 
 def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,
                  budget: TreeBudget) -> Tree:
     """EAGLE-1: fill a fixed tree level by level; a node is its parent's rank-r draft token."""
+    return _static(head, target_params, target_cfg, h_root_bd, root_b, cache, budget)[0]
+
+
+def _static(head, target_params, target_cfg, h_root_bd, root_b, cache: KVCache, budget: TreeBudget):
     tree = budget.static_tree
     b = h_root_bd.shape[0]
     embed = target_params["embed_tokens"]["embedding"]
@@ -241,7 +260,7 @@ def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, 
     for d in range(1, len(levels)):
         nodes_prev = np.asarray(levels[d - 1])
         w = len(nodes_prev)
-        slots = cache.length[:, None] + jnp.asarray([slot_of[int(x)] for x in nodes_prev])[None, :]
+        slots = BlockStart(cache.length + slot_of[int(nodes_prev[0])])  # a level's slots are consecutive
         mask = _scratch_mask(cache.length, cache.max_len, jnp.broadcast_to(jnp.asarray(vis[nodes_prev])[None],
                                                                           (b, w, n_scr)), 0)
         h_in = (jnp.broadcast_to(h_root_bd[:, None], (b, w, h_root_bd.shape[-1])) if d == 1
@@ -256,10 +275,16 @@ def draft_static(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, 
         tokens = tokens.at[:, nodes].set(to_target_ids(head, picked))
         h_prev = h_out
     par = jnp.broadcast_to(jnp.asarray(parents, jnp.int32)[None], (b, n))
-    return Tree(tokens, par, jnp.ones((b, n), bool))
+    return Tree(tokens, par, jnp.ones((b, n), bool)), cache
 
 
 def draft_tree(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,
                budget: TreeBudget) -> Tree:
-    fn = draft_static if budget.kind == "static" else draft_dynamic
+    return draft_tree_and_cache(head, target_params, target_cfg, h_root_bd, root_b, cache, budget)[0]
+
+
+def draft_tree_and_cache(head: DraftHead, target_params, target_cfg, h_root_bd, root_b, cache: KVCache,
+                         budget: TreeBudget) -> tuple[Tree, KVCache]:
+    """`draft_tree` and the draft cache with the drafting's scratch slots written (module doc)."""
+    fn = _static if budget.kind == "static" else _dynamic
     return fn(head, target_params, target_cfg, h_root_bd, root_b, cache, budget)

@@ -173,8 +173,10 @@ def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: 
 
     With a `RolloutKeys` (EAGLE-3 training-time test), the block attends as that structure says and
     it comes back with the block's keys added. With a cache, the block's keys go to `slots_bt`
-    (default: cache.length + t) and the queries see the slots `mask_bts` allows (default: committed
-    slots + causal inside the block); the cache's length is not advanced. Without a cache,
+    ([B, T] slots, dropped past the end, or a `layers.BlockStart` from a caller that guarantees the
+    block fits: one window a layer, `layers.write_block`; default: cache.length + t) and the
+    queries see the slots `mask_bts` allows (default: committed slots + causal inside the block);
+    the cache's length is not advanced. Without a cache,
     `mask_bts` is [B, T, T] (default causal).
     Returns (h' [B, T, d], cache).
     """
@@ -220,7 +222,8 @@ def _oracle_step(head, tokens_bt, positions_bt, cache, slots_bt, mask_bts):
     if mask_bts is None:
         mask_bts = _default_mask(cache, t)
     mask = jnp.concatenate([jnp.ones((b, t, 1), bool), mask_bts[..., :-1]], axis=-1)
-    out = forward(head.params, tcfg, tokens_bt, positions_bt + 1, cache, slots_bt=slots_bt + 1, attn_mask_bts=mask)
+    slots = BlockStart(slots_bt.start_b + 1) if isinstance(slots_bt, BlockStart) else slots_bt + 1
+    out = forward(head.params, tcfg, tokens_bt, positions_bt + 1, cache, slots_bt=slots, attn_mask_bts=mask)
     return out.hidden, out.cache
 
 

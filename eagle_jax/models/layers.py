@@ -264,12 +264,13 @@ def dense(cfg: ModelConfig, name: Optional[str], features: int, use_bias: bool) 
 class BlockStart(NamedTuple):
     """Cache slots `start_b[b] + t` for a block's T keys, one contiguous run per row, from a caller
     that guarantees the run lies inside the cache (0 <= start_b and start_b + T <= S in every row):
-    tree verification, whose cache has room for the tree past the committed length. Prefill chunks,
-    whose padding may run past the end, give slots as a [B, T] array instead (slots past the end
-    are dropped), and so do the draft head's levels and re-feed: as windows (inside the head's
-    `lax.scan` over levels) they made the SmolLM2 oracle drafter's tests run 4-5x as long (its
-    cache is the 30-layer target's; a copy of it, most likely), to save the trained heads 3 loops
-    of a few keys."""
+    tree verification, whose cache has room for the tree past the committed length, and the draft
+    head's levels and re-feed, whose cache has room for the scratch and the longest path. Prefill
+    chunks, whose padding may run past the end, give slots as a [B, T] array instead (slots past
+    the end are dropped). Before stop 71 the head's writes were scatters: as windows they had made
+    the SmolLM2 oracle drafter's tests run 4-5x as long, while drafting wrote into a copy of the
+    head's cache (for the oracle, the 30-layer target's); without that copy
+    (`drafting.draft_tree_and_cache`) they take as long as the scatters did."""
 
     start_b: jax.Array  # [B] int32
 
