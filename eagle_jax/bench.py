@@ -58,6 +58,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Optional
 
 from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
                        parse_shapes, resolve_budget)
@@ -317,6 +318,7 @@ def main(argv=None) -> int:
         if any(n < 1 for n in lookup_ngrams):
             raise ValueError(f"--auto-lookup-ngrams must be >= 1, got {args.auto_lookup_ngrams!r}")
         prefill_chunk = parse_prefill_chunk(args.prefill_chunk)
+        prepare_outputs(args.markdown, args.plots, args.save_budget)
         sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
         if auto and not sampling.greedy:
             raise ValueError("--total-tokens auto tunes trees on greedy decoding; tune without --temperature, "
@@ -396,6 +398,20 @@ def main(argv=None) -> int:
     else:
         print(table)
     return 0
+
+
+def prepare_outputs(markdown: Optional[Path], plots: Optional[Path], save_budget: Optional[Path]) -> None:
+    """Make the folders the results go to, and fail now, not after a run of many minutes, where one
+    cannot be made or written (stop 71 lost an 11-minute run to a --markdown path whose folder did
+    not exist yet: --plots, written after it, made its folder itself)."""
+    folders = [plots] + [p.parent for p in (markdown, save_budget) if p is not None]
+    for folder in (Path(str(f).replace("METHOD", "eagle3")) for f in folders if f is not None):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot make the output folder {folder}: {e}") from e
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"cannot write into the output folder {folder}")
 
 
 def autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_ngrams, log) -> dict:

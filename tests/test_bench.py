@@ -107,7 +107,7 @@ def test_first_token_split_arithmetic():
 def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{i + 5}"}) + "\n" for i in range(4)))
-    md = tmp_path / "t.md"
+    md = tmp_path / "not" / "yet" / "t.md"  # its folder is made, before the run (stop 71 lost one to it)
     assert bench.main(["--model", str(tiny_hf_dir), "--prompts", str(prompts), "--limit", "2",
                        "--max-new-tokens", "5", "--methods", "vanilla", "--json", "--markdown", str(md)]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -143,6 +143,16 @@ def test_prompt_sets_time_split_and_plots(tiny_hf_dir, tmp_path, capsys):
     for name in ("speedup.png", "acceptance.png", "time_split.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (plots / "budget.png").exists()  # no autotune in this run
+
+
+def test_output_folders_that_cannot_be_made_are_refused_before_loading(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for flag, path in (("--markdown", blocker / "t.md"), ("--plots", blocker / "plots"),
+                       ("--save-budget", blocker / "METHOD.json")):
+        assert bench.main(["--model", "no/such/model", "--methods", "vanilla", flag, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "output folder" in err and str(blocker) in err and "no/such/model" not in err
 
 
 def test_unknown_prompt_set_is_refused(capsys):
@@ -534,6 +544,34 @@ def test_trace_summary_sums_sites_and_kinds_per_step():
                               "while": {"calls": 0.5, "ms": pytest.approx(0.0025)}}
 
 
+def test_trace_sums_by_name_scope_from_the_compiled_programs_text():
+    from eagle_jax import step_trace
+
+    hlo = "\n".join([
+        'ENTRY %main.1 (p: f32[4]) -> f32[4] {',
+        '  %copy.141 = f32[1,1,773,3,64]{4,3,2,1,0} copy(%gte.1), metadata={op_name="jit(spec_advance)/'
+        'call_exported/jit(flat)/while/body/while/body/closed_call/Eagle3Module/midlayer/self_attn/scatter" '
+        'stack_frame_id=3}',
+        '  ROOT %ffi_call.7 = f32[1,960]{1,0} custom-call(%p), metadata={op_name="jit(decode_advance)/while/body/'
+        'DecoderLayer/self_attn/qkv_proj/ffi_call"}',
+        '  %add_add_fusion.3 = f32[1,3,9,64]{3,2,1,0} fusion(%a, %b), kind=kLoop, metadata={op_name="jit(x)/add"}',
+        '  %constant.5 = s32[] constant(-4096)',
+        '}'])
+    scopes = step_trace.hlo_scopes(hlo)
+    assert scopes == {"copy.141": "while/body/closed_call/Eagle3Module/midlayer/self_attn",
+                      "ffi_call.7": "DecoderLayer/self_attn/qkv_proj", "add_add_fusion.3": "(top level)"}
+    events = [("copy.141", 40.0), ("copy.141", 50.0), ("ffi_call.7", 30.0), ("ffi_call.7", 10.0),
+              ("while.3", 6.0), ("$api.py:1 block_until_ready", 999.0)]
+    res = step_trace.summarize(events, steps=2, scopes=scopes)
+    assert res["by_scope"] == {
+        "while/body/closed_call/Eagle3Module/midlayer/self_attn": {"calls": 1.0, "ms": pytest.approx(0.045)},
+        "kernel: DecoderLayer/self_attn/qkv_proj": {"calls": 1.0, "ms": pytest.approx(0.02)},
+        "(unnamed)": {"calls": 0.5, "ms": pytest.approx(0.003)}}
+    assert "by_scope" not in step_trace.summarize(events, steps=2)
+    assert "| kernel: DecoderLayer/self_attn/qkv_proj | 1.0 | 0.020 |" in step_trace.markdown(
+        {"method": "x", "steps": 2, "wall_ms_per_step": 1.0, **res})
+
+
 def test_trace_of_plain_steps_on_the_tiny_model(tiny_hf_dir):
     from eagle_jax import step_trace
     from eagle_jax.kernels import cpu_matmul as cm
@@ -546,4 +584,8 @@ def test_trace_of_plain_steps_on_the_tiny_model(tiny_hf_dir):
         # every layer's weight products go through the kernel: at least 7 sites a layer, each once a step
         assert cc["calls"] >= 7 * engine.cfg.num_layers
         assert all(abs(r["calls"] - round(r["calls"])) < 1e-9 for r in cc["top_sites"])
+        # and by scope: the layers' products are kernel calls inside the decoder layers' scopes
+        kernel_layers = [k for k in res["by_scope"] if k.startswith("kernel: DecoderLayer")]
+        assert kernel_layers and all(res["by_scope"][k]["calls"] >= 1 for k in kernel_layers)
+    assert any(k.startswith("DecoderLayer") for k in res["by_scope"])
     assert "| call duration |" in step_trace.markdown(res)
