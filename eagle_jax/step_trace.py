@@ -8,7 +8,12 @@ no TensorBoard needed) after one prompt's prefill, plain decoding (`decode_advan
 - the custom calls (`ffi_call`: the CPU kernels' weight products, cache attention, top-k), each
   call site's own time (a site runs once a step, or once per draft level), the sites sorted by
   time, and how many sites fall in each duration bucket;
-- XLA's own operations by kind (fusions, scatters, copies, loops; a name's numeric suffix dropped).
+- XLA's own operations by kind (fusions, scatters, copies, loops; a name's numeric suffix dropped);
+- both by where in the model they come from (`by_scope`): each event matched by its name to the
+  compiled program's instruction and that instruction's JAX name scope (`DecoderLayer/mlp`,
+  `Eagle3Module/midlayer/self_attn`, `while/body/...` for drafting's levels), custom calls marked
+  `kernel:`. Stop 71 found with it the two copies of the draft head's cache that XLA made every
+  step, and the loops of 6 scatters (`speculative.propose_tree_and_cache`, `_commit_path`).
 
 A program's sites have no layer names, but the durations tell them apart: on SmolLM2 the largest
 is the LM head (49152 × 576), then gate / up / down (576 × 1536), then q / o, then k / v and the
@@ -39,6 +44,7 @@ import re
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +67,32 @@ def traced_events(run, trace_dir: str) -> list[tuple[str, float]]:
     return [(e["name"], float(e.get("dur", 0.0))) for e in events if e.get("ph") == "X" and "name" in e]
 
 
-def summarize(events: list[tuple[str, float]], steps: int, top: int = 12) -> dict:
+INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"')
+PROGRAM_PREFIX = re.compile(r"^jit\([^)]*\)/(call_exported/)?(jit\(flat\)/)?(while/body/)?")
+
+
+def hlo_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> JAX name scope in a compiled program's text (`Compiled.as_text()`): the
+    op_name metadata without the program's own prefix (`jit(spec_advance)/.../while/body/`, the
+    advance loop) and without the primitive's name (`DecoderLayer/mlp/mul` -> `DecoderLayer/mlp`;
+    an operation outside every scope, such as the target's LM head: "(top level)")."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = INSTRUCTION.match(line)
+        if m:
+            scope = PROGRAM_PREFIX.sub("", m.group(2))
+            out[m.group(1)] = scope.rpartition("/")[0] or "(top level)"
+    return out
+
+
+def summarize(events: list[tuple[str, float]], steps: int, top: int = 12,
+              scopes: Optional[dict[str, str]] = None) -> dict:
     """Per-step sums of `traced_events` over `steps` steps: custom calls by site and bucket, and
-    XLA's other operations by kind (milliseconds a step, calls a step)."""
+    XLA's other operations by kind (milliseconds a step, calls a step); with `scopes`
+    (`hlo_scopes`), everything by name scope too (`by_scope`, the `2 * top` largest)."""
     sites = collections.defaultdict(lambda: [0, 0.0])
     kinds = collections.defaultdict(lambda: [0, 0.0])
+    by_scope = collections.defaultdict(lambda: [0, 0.0])
     for name, dur in events:
         if SKIP.match(name):
             continue
@@ -73,6 +100,10 @@ def summarize(events: list[tuple[str, float]], steps: int, top: int = 12) -> dic
         key = name if table is sites else re.sub(r"[.\d]+$", "", name)
         table[key][0] += 1
         table[key][1] += dur
+        if scopes is not None:
+            scope = ("kernel: " if table is sites else "") + scopes.get(name, "(unnamed)")
+            by_scope[scope][0] += 1
+            by_scope[scope][1] += dur
     per_step = lambda n, us: {"calls": n / steps, "ms": us / 1e3 / steps}
     site_rows = sorted((per_step(n, us) for n, us in sites.values()), key=lambda r: -r["ms"])
     buckets = []
@@ -86,12 +117,15 @@ def summarize(events: list[tuple[str, float]], steps: int, top: int = 12) -> dic
                          "top_sites": site_rows[:top], "buckets": [b for b in buckets if b["sites"]]},
         "xla_ops": dict(sorted(((k, per_step(n, us)) for k, (n, us) in kinds.items()),
                                key=lambda kv: -kv[1]["ms"])[:top]),
+        **({"by_scope": dict(sorted(((k, per_step(n, us)) for k, (n, us) in by_scope.items()),
+                                    key=lambda kv: -kv[1]["ms"])[:2 * top])} if scopes is not None else {}),
     }
 
 
-def trace_method(engine, method: str, prompt_ids: list[int], steps: int) -> dict:
+def trace_method(engine, method: str, prompt_ids: list[int], steps: int, by_scope: bool = True) -> dict:
     """Wall time a step (no profiler) and `summarize` of a traced run of `steps` steps of `method`
-    ("vanilla" or one set up on `engine`) after `prompt_ids`' prefill."""
+    ("vanilla" or one set up on `engine`) after `prompt_ids`' prefill; `by_scope` compiles the
+    program's text once more (from XLA's cache) for the name scopes."""
     from .decoding import decode_advance, decode_start
     from .speculative import spec_advance, spec_start
 
@@ -99,12 +133,14 @@ def trace_method(engine, method: str, prompt_ids: list[int], steps: int) -> dict
     _, args = engine._request(prompt_ids, steps * 16 + 16, 0.0, 1.0, 0, 0, None, method)
     if method == "vanilla":
         start = decode_start(engine.params, engine.cfg, *args, prefill_chunk=engine.prefill_chunk)
-        advance = lambda s: decode_advance(engine.params, engine.cfg, s, *args[2:], n_steps=jnp.int32(steps))
+        program, static = decode_advance, {}
+        call = lambda fn, s: fn(engine.params, engine.cfg, s, *args[2:], n_steps=jnp.int32(steps), **static)
     else:
         head, budget = engine.heads[method], engine.budgets[method]
         start = spec_start(engine.params, engine.cfg, head, *args, budget=budget, prefill_chunk=engine.prefill_chunk)
-        advance = lambda s: spec_advance(engine.params, engine.cfg, head, s, *args[2:], budget=budget,
-                                         n_steps=jnp.int32(steps))
+        program, static = spec_advance, {"budget": budget}
+        call = lambda fn, s: fn(engine.params, engine.cfg, head, s, *args[2:], n_steps=jnp.int32(steps), **static)
+    advance = lambda s: call(program, s)
     states = [jax.tree.map(jnp.copy, start) for _ in range(3)]  # the advances donate their state
     jax.block_until_ready(states)
     jax.block_until_ready(advance(states.pop()))  # compile and warm up
@@ -112,7 +148,9 @@ def trace_method(engine, method: str, prompt_ids: list[int], steps: int) -> dict
     jax.block_until_ready(advance(states.pop()))
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     with tempfile.TemporaryDirectory() as d:
-        out = summarize(traced_events(lambda: advance(states.pop()), d), steps)
+        events = traced_events(lambda: advance(states.pop()), d)
+    scopes = hlo_scopes(call(program.lower, start).compile().as_text()) if by_scope else None
+    out = summarize(events, steps, scopes=scopes)
     return {"method": method, "steps": steps, "wall_ms_per_step": wall_ms, **out}
 
 
@@ -128,6 +166,9 @@ def markdown(res: dict) -> str:
     lines += [f"| {i + 1} | {r['calls']:g} | {r['ms']:.3f} |" for i, r in enumerate(cc["top_sites"])]
     lines += ["", "| XLA operation | calls a step | ms a step |", "|---|---|---|"]
     lines += [f"| {k} | {v['calls']:.1f} | {v['ms']:.3f} |" for k, v in res["xla_ops"].items()]
+    if "by_scope" in res:
+        lines += ["", "| name scope (kernel: custom calls) | calls a step | ms a step |", "|---|---|---|"]
+        lines += [f"| {k} | {v['calls']:.1f} | {v['ms']:.3f} |" for k, v in res["by_scope"].items()]
     return "\n".join(lines)
 
 
