@@ -405,7 +405,9 @@ def prepare_outputs(markdown: Optional[Path], plots: Optional[Path], save_budget
     cannot be made or written (stop 71 lost an 11-minute run to a --markdown path whose folder did
     not exist yet: --plots, written after it, made its folder itself)."""
     folders = [plots] + [p.parent for p in (markdown, save_budget) if p is not None]
-    for folder in (Path(str(f).replace("METHOD", "eagle3")) for f in folders if f is not None):
+    for folder in (f for f in folders if f is not None):
+        if "METHOD" in str(folder):  # a folder a method: made when its budget is saved; check the one above
+            folder = Path(str(folder).split("METHOD")[0] + "_").parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -149,7 +149,7 @@ def test_output_folders_that_cannot_be_made_are_refused_before_loading(tmp_path,
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     for flag, path in (("--markdown", blocker / "t.md"), ("--plots", blocker / "plots"),
-                       ("--save-budget", blocker / "METHOD.json")):
+                       ("--save-budget", blocker / "METHOD.json"), ("--save-budget", blocker / "METHOD" / "b.json")):
         assert bench.main(["--model", "no/such/model", "--methods", "vanilla", flag, str(path)]) == 2
         err = capsys.readouterr().err
         assert "output folder" in err and str(blocker) in err and "no/such/model" not in err

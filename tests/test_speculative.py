@@ -336,8 +336,9 @@ def test_one_row_writes_windows_and_equals_plain_greedy_up_to_the_buffer_end(tin
 def test_draft_cache_slots_past_the_committed_length_never_matter(tiny_llama, head_name, rng):
     """Drafting writes its scratch keys into the head's cache in place and the re-feed writes over
     them (no copy of the cache a step: `drafting.draft_tree_and_cache`), so whatever lies past the
-    committed length must be invisible to every later query. Filled with large random values
-    there, both caches give the same tokens and the same accepted lengths, step for step."""
+    committed length must be invisible to every later query, in the head's cache as in the
+    target's (where the tree's rows land and the accepted path is moved). Both caches filled with
+    large random values there give the same tokens and the same accepted lengths, step for step."""
     from eagle_jax.models.decoder import unstack_layers
 
     _, cfg, params = tiny_llama
@@ -351,18 +352,19 @@ def test_draft_cache_slots_past_the_committed_length_never_matter(tiny_llama, he
 
     first = 1 if head.cfg.kind == "oracle" else 0  # the oracle's slot 0 holds t_0: draft slot s is its s + 1
 
-    def scrambled(c, seed):
+    def scrambled(c, seed, first=0):
         past = jnp.arange(c.max_len)[None, None, :, None, None] >= first + c.length[None, :, None, None, None]
         noise = lambda x, k: jnp.where(past, 1e3 * jax.random.normal(k, x.shape, x.dtype), x)
         return c.replace(k=noise(c.k, jax.random.PRNGKey(seed)), v=noise(c.v, jax.random.PRNGKey(seed + 1)))
 
+    both = lambda s, seed: s._replace(dcache=scrambled(s.dcache, seed, first), tcache=scrambled(s.tcache, seed + 2))
     runs = []
-    for dcache in (st.dcache, scrambled(st.dcache, 7)):
-        s = jax.tree.map(jnp.copy, st._replace(dcache=dcache))
-        for _ in range(4):  # a few calls: the state between calls is scrambled too, once
+    for scramble in (False, True):
+        s = jax.tree.map(jnp.copy, both(st, 7) if scramble else st)
+        for _ in range(4):  # a few calls: the state between calls is scrambled again
             s = speculative.spec_advance(unrolled, cfg, head, s, *args, budget=budget, n_steps=jnp.int32(3))
-            if dcache is not st.dcache:
-                s = s._replace(dcache=scrambled(s.dcache, int(s.step)))
+            if scramble:
+                s = both(s, 10 * int(s.step))
         runs.append(s)
     a, b = runs
     assert int(a.step) == int(b.step) >= 4
