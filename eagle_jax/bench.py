@@ -407,7 +407,7 @@ def prepare_outputs(markdown: Optional[Path], plots: Optional[Path], save_budget
     folders = [plots] + [p.parent for p in (markdown, save_budget) if p is not None]
     for folder in (f for f in folders if f is not None):
         if "METHOD" in str(folder):  # a folder a method: made when its budget is saved; check the one above
-            folder = Path(str(folder).split("METHOD")[0] + "_").parent
+            folder = next(p for p in folder.parents if "METHOD" not in str(p))
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:

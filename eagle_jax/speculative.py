@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .cpu_jit import cpu_stable_jit
 from .decoding import prefill, prefill_plan, run_chunks
-from .draft.drafting import Tree, TreeBudget, draft_candidates_and_cache, draft_tree_and_cache
+from .draft.drafting import Tree, TreeBudget, draft_candidates, draft_tree_and_cache
 from .draft.heads import DraftHead, create_draft_cache, fuse_features, head_step, seed_draft_cache
 from .models.config import ModelConfig
 from .models.decoder import KVCache, forward, lm_logits
@@ -142,7 +142,7 @@ def propose_tree_and_cache(head: DraftHead, target_params, tcfg: ModelConfig, st
     if budget.kind == "static":
         tree, dcache = draft_tree_and_cache(head, target_params, tcfg, st.h_root, st.root, st.dcache, budget)
         return Tree(*graft_chain(*tree, chain, chain_ok)), dcache
-    *cands, dcache = draft_candidates_and_cache(head, target_params, tcfg, st.h_root, st.dcache, budget)
+    *cands, dcache = draft_candidates(head, target_params, tcfg, st.h_root, st.dcache, budget)
     whole = rerank(*cands, st.root, budget.total_tokens)
     short = rerank(*cands, st.root, budget.total_tokens - budget.lookup)
     grafted = graft_chain(*short, chain, chain_ok)

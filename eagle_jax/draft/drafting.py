@@ -177,19 +177,14 @@ def draft_dynamic(head: DraftHead, target_params, target_cfg, h_root_bd, root_b,
 
 
 def _dynamic(head, target_params, target_cfg, h_root_bd, root_b, cache: KVCache, budget: TreeBudget):
-    *cands, cache = draft_candidates_and_cache(head, target_params, target_cfg, h_root_bd, cache, budget)
+    *cands, cache = draft_candidates(head, target_params, target_cfg, h_root_bd, cache, budget)
     return Tree(*rerank(*cands, root_b, budget.total_tokens)), cache
 
 
 def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cache: KVCache, budget: TreeBudget):
     """EAGLE-2's expansion: (tokens, cumulative log-prob scores, parent candidate) [B, C] of every
-    candidate in generation order, for `tree.rerank`."""
-    return draft_candidates_and_cache(head, target_params, target_cfg, h_root_bd, cache, budget)[:3]
-
-
-def draft_candidates_and_cache(head: DraftHead, target_params, target_cfg, h_root_bd, cache: KVCache,
-                               budget: TreeBudget):
-    """`draft_candidates` and the draft cache with the expansion's scratch slots written (module doc)."""
+    candidate in generation order, for `tree.rerank`, and the draft cache with the expansion's
+    scratch slots written (module doc)."""
     k, depth = budget.top_k, budget.depth
     b = h_root_bd.shape[0]
     embed = target_params["embed_tokens"]["embedding"]
