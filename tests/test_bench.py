@@ -509,6 +509,25 @@ def test_matmul_microbenchmark_chains_its_products():
     assert float(small(x, [jnp.float32(3.0), jnp.float32(0.5)])) == 4 * 2.0 * 0.5  # x unchanged by 1e-30 * 6
 
 
+def test_matmul_microbenchmark_glue_does_not_grow_with_the_chain():
+    """Each product's input is computed from the first x and the product before only: chained as
+    x_i = x_(i-1) + 1e-30 y_(i-1)[:, :1], XLA fused every earlier addition into each input (a
+    fusion of i + 1 operands before the i-th product), and that glue, not the kernels, made
+    several-row products look slow."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from eagle_jax.kernels.matmul_bench import _chained
+
+    x = jnp.ones((3, 8))
+    ws = [jnp.full((8, 16), float(i)) for i in range(6)]
+    compiled = jax.jit(_chained(jnp.dot)).lower(x, ws).compile().as_text()
+    operands = [len(args.split(",")) for args in re.findall(r"fusion\(([^)]*)\)", compiled)]
+    assert len(operands) >= len(ws) - 1 and max(operands) <= 2, operands
+
+
 def test_matmul_microbenchmark_times_every_row_kind(capsys):
     from eagle_jax.kernels import cpu_matmul as cm
     from eagle_jax.kernels import matmul_bench
