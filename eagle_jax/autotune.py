@@ -57,7 +57,7 @@ from .draft.drafting import TreeBudget
 from .step_profile import profile_spec_step
 from .atomic_file import write_atomic
 
-DEFAULT_CANDIDATES = (3, 4, 6, 8, 12, 16, 24, 32, 48)  # 3: a CPU's best, where rows cost
+DEFAULT_CANDIDATES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # 2-3: a CPU's best, where a third row costs
 DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8))  # (depth, top_k)
 DEFAULT_LOOKUPS = (0, 2, 3, 4, 6)  # prompt-lookup chain lengths
 DEFAULT_LOOKUP_NGRAMS = (1, 2, 3)  # the shortest n-gram a chain may be found by
@@ -148,8 +148,8 @@ def parse_shapes(spec: str) -> tuple:
             depth, top_k = (int(x) for x in part.split(":"))
         except ValueError:
             raise ValueError(f"tree shape {part!r} is not DEPTH:TOP_K (e.g. 2:4)") from None
-        if depth < 1 or top_k < 1:
-            raise ValueError(f"tree shape {part!r}: depth and top-k must be >= 1")
+        if depth < 0 or top_k < 1:
+            raise ValueError(f"tree shape {part!r}: depth must be >= 0 and top-k >= 1")
         out.append((depth, top_k))
     return tuple(out)
 

@@ -307,8 +307,11 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     assert parse_lookups("0,3") == (0, 3) and parse_lookups("none") == ()
     with pytest.raises(ValueError, match=">= 0"):
         parse_lookups("2,-1")
-    with pytest.raises(ValueError, match=">= 1"):
-        parse_shapes("0:4")
+    with pytest.raises(ValueError, match="top-k >= 1"):
+        parse_shapes("1:0")
+    with pytest.raises(ValueError, match="depth must be >= 0"):
+        parse_shapes("-1:4")
+    assert parse_shapes("0:4") == ((0, 4),)  # the root's children alone
     assert parse_shapes("none") == ()
 
 

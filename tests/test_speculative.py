@@ -280,7 +280,7 @@ def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):
     _, cfg, params = tiny_llama
     clipped = TreeBudget("dynamic", total_tokens=5, depth=5, top_k=3)
     assert (clipped.depth, clipped.max_depth) == (3, 4)
-    assert TreeBudget("dynamic", total_tokens=2, depth=5, top_k=3).depth == 1
+    assert TreeBudget("dynamic", total_tokens=2, depth=5, top_k=3).depth == 0  # the root's first choice alone
     assert TreeBudget("dynamic", total_tokens=24, depth=5, top_k=4).depth == 5
     unclipped = TreeBudget("dynamic", total_tokens=5, depth=3, top_k=3)
     object.__setattr__(unclipped, "depth", 5)  # what the drafter did before the clip
@@ -302,9 +302,43 @@ def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_two_token_tree_drafts_no_level_and_equals_the_one_node_chain(tiny_llama, rng):
+    """A 2-token dynamic tree (depth clipped to 0) is the tree that drafting a dropped level gave
+    before (depth 1), and the static chain [[0]]; it writes nothing to the head's cache. A depth-0
+    tree of 3 is the root's two best children: the static tree [[0], [1]]."""
+    _, cfg, params = tiny_llama
+    pair = TreeBudget("dynamic", total_tokens=2, depth=3, top_k=2)
+    assert (pair.depth, pair.top_k, pair.draft_depth, pair.max_depth, pair.scratch) == (0, 1, 1, 1, 0)
+    assert pair == TreeBudget("dynamic", total_tokens=2, depth=1, top_k=4)  # the same tree: one program
+    wasted = TreeBudget("dynamic", total_tokens=2, depth=1, top_k=2)
+    object.__setattr__(wasted, "depth", 1)  # what the drafter did before stop 72
+    siblings = TreeBudget("dynamic", total_tokens=3, depth=0, top_k=5)
+    assert (siblings.depth, siblings.top_k, siblings.max_depth) == (0, 2, 1)
+    from eagle_jax.tree import StaticTree
+    twins = {pair: TreeBudget("static", static_tree=StaticTree.from_json([[0]])),
+             siblings: TreeBudget("static", static_tree=StaticTree.from_json([[0], [1]]))}
+    for head in _heads(cfg, params).values():
+        prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 33)]
+        toks, lens = pack_prompts(prompts, 64)
+        st = speculative.spec_start(params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(8),
+                                    jnp.asarray([-1], jnp.int32), SamplingParams.create(3), jax.random.PRNGKey(0),
+                                    budget=wasted, prefill_chunk=16)
+        tree, cache = speculative.draft_tree_and_cache(head, params, cfg, st.h_root, st.root, st.dcache, pair)
+        for x, y in zip(tree, draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, wasted)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(cache), jax.tree.leaves(st.dcache)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        for budget, static in twins.items():
+            a = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, budget)
+            b = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, static)
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 ONE_ROW_BUDGETS = {"dynamic": DYNAMIC, "static": STATIC,
                    "chain": TreeBudget("dynamic", total_tokens=8, depth=6, top_k=1),
-                   "serving": TreeBudget("dynamic", total_tokens=3, depth=1, top_k=2)}
+                   "serving": TreeBudget("dynamic", total_tokens=3, depth=1, top_k=2),
+                   "pair": TreeBudget("dynamic", total_tokens=2, depth=1, top_k=2)}
 
 
 @pytest.mark.parametrize("budget_name", list(ONE_ROW_BUDGETS))

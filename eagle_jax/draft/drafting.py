@@ -45,7 +45,10 @@ class TreeBudget:
     `total_tokens` nodes (root included); tree depth ≤ depth + 1. A tree of N nodes cannot hold a
     node below level N - 1 (a kept node's ancestors are kept: path values only fall along a path),
     so `depth` is clipped to N - 2 expansions: the same tree, without drafting levels that could
-    never be kept (a 4-token tree drafts 2 levels, not 5).
+    never be kept (a 4-token tree drafts 2 levels, not 5; a 2-token tree, the root and the head's
+    first choice, none: before stop 72 it drafted a level it then dropped, a third of its
+    drafting). `depth` 0: the root's best N - 1 children alone, no expansion (`top_k` is clipped to
+    N - 1 there: one budget, one program, for each such tree).
     static (EAGLE-1): the fixed tree `static_tree`; total_tokens = its node count.
     lookup: a chain of up to `lookup` tokens copied from the context by n-gram lookup (n-grams of
     `lookup_ngram` tokens down to `lookup_min_ngram`, the longest that occurred before first) is
@@ -82,13 +85,15 @@ class TreeBudget:
             object.__setattr__(self, "depth", self.static_tree.depth)
             object.__setattr__(self, "top_k", self.static_tree.top_k)
         else:
-            if self.top_k < 1 or self.depth < 1:
-                raise ValueError(f"top_k and depth must be >= 1, got top_k={self.top_k}, depth={self.depth}")
+            if self.top_k < 1 or self.depth < 0:
+                raise ValueError(f"need top_k >= 1 and depth >= 0, got top_k={self.top_k}, depth={self.depth}")
             most = 1 + self.top_k + self.depth * self.top_k ** 2
             if not 2 <= self.total_tokens <= most:
                 raise ValueError(f"total_tokens must be in [2, {most}] for top_k={self.top_k}, depth={self.depth}; "
                                  f"got {self.total_tokens}")
-            object.__setattr__(self, "depth", min(self.depth, max(1, self.total_tokens - 2)))
+            object.__setattr__(self, "depth", min(self.depth, self.total_tokens - 2))
+            if self.depth == 0:  # the best N - 1 of the root's children are its top N - 1: the same tree
+                object.__setattr__(self, "top_k", min(self.top_k, self.total_tokens - 1))
             if self.lookup > self.total_tokens - 2:
                 raise ValueError(f"lookup must leave the head at least the root and one node: lookup <= "
                                  f"total_tokens - 2 = {self.total_tokens - 2}, got {self.lookup}")
@@ -190,6 +195,9 @@ def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cach
     embed = target_params["embed_tokens"]["embedding"]
     p0, i0 = _top_log_probs(head, target_params, target_cfg, h_root_bd, k)  # B K
     tok0 = to_target_ids(head, i0)
+    root_children = jnp.full((b, k), -1, jnp.int32)
+    if depth == 0:  # the root's children are every candidate: no head step, no scratch slot written
+        return tok0, p0, root_children, cache
     n_scr = depth * k
     pos0 = cache.length  # level-1 nodes sit at draft position P (they predict target position P+2)
 
@@ -218,7 +226,7 @@ def draft_candidates(head: DraftHead, target_params, target_cfg, h_root_bd, cach
     flat = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, depth * k * k)
     cand_tok = jnp.concatenate([tok0, flat(toks)], axis=1)
     cand_score = jnp.concatenate([p0, flat(scores)], axis=1)
-    cand_parent = jnp.concatenate([jnp.full((b, k), -1, jnp.int32), flat(parents).astype(jnp.int32)], axis=1)
+    cand_parent = jnp.concatenate([root_children, flat(parents).astype(jnp.int32)], axis=1)
     return cand_tok, cand_score, cand_parent, last[-1]
 
 
