@@ -53,7 +53,7 @@ def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optio
         tree = DEFAULT_STATIC_TREE if total_tokens is None else static_tree_of_size(int(total_tokens))
         return TreeBudget("static", static_tree=tree, lookup=lookup or 0)
     n = total_tokens or 24
-    return TreeBudget("dynamic", total_tokens=n, depth=depth or 5, top_k=top_k or 4,
+    return TreeBudget("dynamic", total_tokens=n, depth=5 if depth is None else depth, top_k=top_k or 4,
                       lookup=max(0, min(DEFAULT_LOOKUP, n - 2)) if lookup is None else lookup)
 
 

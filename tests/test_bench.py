@@ -357,6 +357,8 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
                        tmp_path / "b.json")
     budget, tune = resolve_budget("m", "eagle3", "default", None, budget_config=good)
     assert (budget.total_tokens, budget.depth, budget.top_k, budget.lookup, tune) == (12, 4, 3, 0, None)  # older files
+    siblings = resolve_budget("m", "eagle3", "default", 3, depth=0, top_k=2, lookup=0)[0]  # --depth 0 kept
+    assert (siblings.total_tokens, siblings.depth, siblings.top_k) == (3, 0, 2)
     budget, _ = resolve_budget("m", "eagle3", "default", None, budget_config=good, lookup=5)  # --lookup replaces
     assert (budget.total_tokens, budget.lookup) == (12, 5)
     chained = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 8, "depth": 2, "top_k": 3,

@@ -46,9 +46,9 @@ class TreeBudget:
     node below level N - 1 (a kept node's ancestors are kept: path values only fall along a path),
     so `depth` is clipped to N - 2 expansions: the same tree, without drafting levels that could
     never be kept (a 4-token tree drafts 2 levels, not 5; a 2-token tree, the root and the head's
-    first choice, none: before stop 72 it drafted a level it then dropped, a third of its
-    drafting). `depth` 0: the root's best N - 1 children alone, no expansion (`top_k` is clipped to
-    N - 1 there: one budget, one program, for each such tree).
+    first choice, none: before stop 72 it drafted a level it then dropped, one of its two head
+    passes a step). `depth` 0: the root's best N - 1 children alone, no expansion (`top_k` is
+    clipped to N - 1 there: one budget, one program, for each such tree).
     static (EAGLE-1): the fixed tree `static_tree`; total_tokens = its node count.
     lookup: a chain of up to `lookup` tokens copied from the context by n-gram lookup (n-grams of
     `lookup_ngram` tokens down to `lookup_min_ngram`, the longest that occurred before first) is

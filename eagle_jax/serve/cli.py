@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tuned once and saved if there is none yet)")
     p.add_argument("--budget-config", type=Path, default=None,
                    help="a tree budget saved by `python -m eagle_jax.bench --total-tokens auto` (JSON)")
-    p.add_argument("--depth", type=int, default=None, help="dynamic tree: expansion steps")
+    p.add_argument("--depth", type=int, default=None,
+                   help="dynamic tree: expansion steps (0: the root's best children alone, no expansion)")
     p.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree: children per node and frontier width")
     p.add_argument("--lookup", type=int, default=None,
                    help="graft a chain of up to N tokens copied from the context by n-gram lookup onto every draft "
