@@ -20,6 +20,7 @@ from test_sampling import _chi2_pvalue
 
 DYNAMIC = TreeBudget("dynamic", total_tokens=12, depth=4, top_k=3)
 STATIC = TreeBudget("static", static_tree=DEFAULT_STATIC_TREE)
+PAIR = TreeBudget("dynamic", total_tokens=2, depth=1, top_k=2)  # no expansion: the root and one node
 LOOKUP = TreeBudget("dynamic", total_tokens=8, depth=2, top_k=3, lookup=5)  # the chain deeper than the tree
 
 
@@ -49,7 +50,7 @@ def _rows(out, lens):
 
 
 @pytest.mark.parametrize("head_name", ["oracle", "eagle1-random", "eagle3-random", "oracle-draft-vocab"])
-@pytest.mark.parametrize("budget", [DYNAMIC, STATIC], ids=["dynamic", "static"])
+@pytest.mark.parametrize("budget", [DYNAMIC, STATIC, PAIR], ids=["dynamic", "static", "pair"])
 def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, rng):
     _, cfg, params = tiny_llama
     head = _heads(cfg, params)[head_name]
@@ -63,7 +64,7 @@ def test_greedy_speculative_equals_plain_greedy(tiny_llama, head_name, budget, r
         steps = int((acc[i] > 0).sum())
         assert int(out.target_calls[i]) == steps + 1
         assert acc[i].sum() + 1 >= int(out.num_new[i]) > acc[i].sum() - budget.max_depth - 1
-    if head_name == "oracle" and budget is STATIC:  # the rank-0 chain is the target's own greedy chain
+    if head_name == "oracle" and budget in (STATIC, PAIR):  # the rank-0 chain is the target's own greedy chain
         assert all((a[a > 0][:-1] == budget.max_depth + 1).all() for a in acc)
 
 
@@ -338,7 +339,7 @@ def test_a_two_token_tree_drafts_no_level_and_equals_the_one_node_chain(tiny_lla
 ONE_ROW_BUDGETS = {"dynamic": DYNAMIC, "static": STATIC,
                    "chain": TreeBudget("dynamic", total_tokens=8, depth=6, top_k=1),
                    "serving": TreeBudget("dynamic", total_tokens=3, depth=1, top_k=2),
-                   "pair": TreeBudget("dynamic", total_tokens=2, depth=1, top_k=2)}
+                   "pair": PAIR}
 
 
 @pytest.mark.parametrize("budget_name", list(ONE_ROW_BUDGETS))
