@@ -218,10 +218,10 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
                    lookups=(), lookup_ngrams=()) -> tuple[TreeBudget, list]:
     """Coordinate search over dynamic trees: every size with base's (depth, top_k, lookup; a chain
     longer than a size's N - 2 cut to N - 2, as `engine.default_budget` cuts it), then
-    every shape of `shapes` at the best size, then every chain length of `lookups` at the best tree
-    (N tokens; a chain of L > N - 2 tokens, which would leave the head no node, at N + L), then, if
-    the best tree has a chain, every shortest n-gram of `lookup_ngrams` for it, then every size
-    with the best shape and chain. `measure(budget)` returns a row with `RANK_KEY`
+    every shape of `shapes` at the best size (the best above 2 tokens if 2 won), then every chain
+    length of `lookups` at the best tree (N tokens; a chain of L > N - 2 tokens, which would leave
+    the head no node, at N + L), then, if the best tree has a chain, every shortest n-gram of
+    `lookup_ngrams` for it, then every size with the best shape and chain. `measure(budget)` returns a row with `RANK_KEY`
     ("expected_speedup"); each distinct tree (after TreeBudget's clamping) is measured once.
     Returns (the best budget, the rows in measurement order)."""
     rows, seen = [], set()
@@ -240,9 +240,13 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
         raise ValueError(f"no candidate tree size fits depth {base.depth}, top-k {base.top_k}")
     chain = lambda r: (r["lookup"], r["lookup_min_ngram"])
     if shapes or lookups or lookup_ngrams:
+        # shapes at the best size, or at the best size above 2 where 2 tokens won: every shape of a
+        # 2-token tree is the same tree (the root's first choice), which would leave no shape measured
         b = best()
+        wider = [r for r in rows if r["total_tokens"] > 2]
+        at = b if b["total_tokens"] > 2 or not wider else max(wider, key=lambda r: r[RANK_KEY])
         for depth, top_k in shapes:
-            run(b["total_tokens"], depth, top_k, *chain(b))
+            run(at["total_tokens"], depth, top_k, *chain(at))
         b = best()
         for lookup in lookups:  # a chain too long for the best tree gets rows of its own on top of it
             n = b["total_tokens"]

@@ -278,6 +278,12 @@ def test_budget_search_finds_the_best_tree_shape_without_measuring_a_tree_twice(
     assert [r["total_tokens"] for r in search_budgets([3, 5], (), narrow, measure)[1]] == [3]
     assert max(rows, key=lambda r: r["expected_speedup"])["total_tokens"] == 6
     assert search_budgets([4], (), base, measure)[0] == TreeBudget("dynamic", total_tokens=4, depth=2, top_k=4)
+    # 2 tokens best of the sizes: every shape of it is one tree, so the shapes go to the best size above 2
+    pair_first = lambda b: {"expected_speedup": measure(b)["expected_speedup"] + 20 * (b.total_tokens == 2)}
+    seen.clear()
+    best, rows = search_budgets([2, 3, 4], parse_shapes("1:2,1:3"), base, pair_first)
+    assert (best.total_tokens, best.depth) == (2, 0)
+    assert seen == [(2, 0, 1), (3, 1, 4), (4, 2, 4), (3, 1, 2), (3, 1, 3)], seen  # 3 beat 4 above 2
     # the lookup chain: measured at the best tree, then the sizes again with the best chain
     chain = lambda b: {"expected_speedup": measure(b)["expected_speedup"] + 4 * (b.lookup == 3)
                        - 3 * (b.lookup == 3) * (b.total_tokens == 6)}
