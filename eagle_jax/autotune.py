@@ -221,8 +221,9 @@ def search_budgets(sizes, shapes, base: TreeBudget, measure: Callable[[TreeBudge
     every shape of `shapes` at the best size (the best above 2 tokens if 2 won), then every chain
     length of `lookups` at the best tree (N tokens; a chain of L > N - 2 tokens, which would leave
     the head no node, at N + L), then, if the best tree has a chain, every shortest n-gram of
-    `lookup_ngrams` for it, then every size with the best shape and chain. `measure(budget)` returns a row with `RANK_KEY`
-    ("expected_speedup"); each distinct tree (after TreeBudget's clamping) is measured once.
+    `lookup_ngrams` for it, then every size with the best shape and chain. `measure(budget)`
+    returns a row with `RANK_KEY` ("expected_speedup"); each distinct tree (after TreeBudget's
+    clamping) is measured once.
     Returns (the best budget, the rows in measurement order)."""
     rows, seen = [], set()
 
