@@ -52,8 +52,9 @@ def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optio
                              "(--total-tokens N picks a static tree of N nodes)")
         tree = DEFAULT_STATIC_TREE if total_tokens is None else static_tree_of_size(int(total_tokens))
         return TreeBudget("static", static_tree=tree, lookup=lookup or 0)
-    n = total_tokens or 24
-    return TreeBudget("dynamic", total_tokens=n, depth=5 if depth is None else depth, top_k=top_k or 4,
+    n = 24 if total_tokens is None else total_tokens  # 0 given is refused by TreeBudget, not read as unset
+    return TreeBudget("dynamic", total_tokens=n, depth=5 if depth is None else depth,
+                      top_k=4 if top_k is None else top_k,
                       lookup=max(0, min(DEFAULT_LOOKUP, n - 2)) if lookup is None else lookup)
 
 

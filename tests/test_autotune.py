@@ -121,6 +121,10 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
     assert (budget.total_tokens, budget.depth, budget.top_k, budget.lookup, tune) == (12, 4, 3, 0, None)  # older files
     siblings = resolve_budget("m", "eagle3", "default", 3, depth=0, top_k=2, lookup=0)[0]  # --depth 0 kept
     assert (siblings.total_tokens, siblings.depth, siblings.top_k) == (3, 0, 2)
+    with pytest.raises(ValueError, match="top_k >= 1"):  # --tree-top-k 0 refused, not read as unset
+        resolve_budget("m", "eagle3", "default", 3, depth=1, top_k=0)
+    start, tune = resolve_budget("m", "eagle3", "default", "auto", depth=1, top_k=2)  # the shape to start from
+    assert (start.total_tokens, start.depth, start.top_k, tune is not None) == (7, 1, 2, True)  # 24 would not fit
     budget, _ = resolve_budget("m", "eagle3", "default", None, budget_config=good, lookup=5)  # --lookup replaces
     assert (budget.total_tokens, budget.lookup) == (12, 5)
     chained = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 8, "depth": 2, "top_k": 3,
