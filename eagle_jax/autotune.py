@@ -502,10 +502,7 @@ def _resolve_tree(model, method, drafter, total_tokens, depth, top_k, budget_con
         if log:
             log(f"no tuned tree budget at {path} yet: tuning it once at start-up (minutes: each candidate tree "
                 f"is compiled, timed and run on the calibration prompts)")
-        if method == "eagle1" or (depth is None and top_k is None):
-            return default_budget(method, None, depth, top_k), path
-        d, k = (5 if depth is None else depth), (4 if top_k is None else top_k)  # the search's starting shape:
-        return default_budget(method, max(2, min(24, 1 + k + d * k * k)), depth, top_k), path  # what fits it
+        return default_budget(method, None, depth, top_k), path
     if total_tokens is None and depth is None and top_k is None:
         tuned = default_budget_path(model, method, drafter, kernels)
         for path in (tuned, packaged_budget_path(model, method, drafter)):

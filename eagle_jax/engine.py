@@ -43,7 +43,8 @@ def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optio
                    top_k: Optional[int] = None, lookup: Optional[int] = None) -> TreeBudget:
     """CPU-sized trees (verification cost grows fast with tokens on a CPU; see DESIGN.md):
     eagle1 = the default static tree, or with `total_tokens` N its first N nodes
-    (`tree.static_tree_of_size`); eagle2/eagle3 = dynamic, 24 tokens, depth 5, top-k 4 and a
+    (`tree.static_tree_of_size`); eagle2/eagle3 = dynamic, 24 tokens (without `total_tokens`: as
+    many as a given depth and top-k hold, up to 24), depth 5, top-k 4 and a
     prompt-lookup chain of up to `DEFAULT_LOOKUP` of those tokens (at most N - 2; `TreeBudget.lookup`;
     eagle1: none unless asked)."""
     if method == "eagle1":
@@ -52,9 +53,10 @@ def default_budget(method: str, total_tokens: Optional[int] = None, depth: Optio
                              "(--total-tokens N picks a static tree of N nodes)")
         tree = DEFAULT_STATIC_TREE if total_tokens is None else static_tree_of_size(int(total_tokens))
         return TreeBudget("static", static_tree=tree, lookup=lookup or 0)
-    n = 24 if total_tokens is None else total_tokens  # 0 given is refused by TreeBudget, not read as unset
-    return TreeBudget("dynamic", total_tokens=n, depth=5 if depth is None else depth,
-                      top_k=4 if top_k is None else top_k,
+    d, k = (5 if depth is None else depth), (4 if top_k is None else top_k)  # 0 given is refused, not unset
+    # without a size: 24 tokens, or as many as the shape holds (depth 1, top-k 2: 7)
+    n = max(2, min(24, TreeBudget.most_tokens(d, k))) if total_tokens is None else total_tokens
+    return TreeBudget("dynamic", total_tokens=n, depth=d, top_k=k,
                       lookup=max(0, min(DEFAULT_LOOKUP, n - 2)) if lookup is None else lookup)
 
 

@@ -125,6 +125,9 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
         resolve_budget("m", "eagle3", "default", 3, depth=1, top_k=0)
     start, tune = resolve_budget("m", "eagle3", "default", "auto", depth=1, top_k=2)  # the shape to start from
     assert (start.total_tokens, start.depth, start.top_k, tune is not None) == (7, 1, 2, True)  # 24 would not fit
+    shaped = resolve_budget("m", "eagle3", "default", None, depth=1, top_k=2)[0]  # no size given: what fits
+    assert (shaped.total_tokens, shaped.depth, shaped.top_k) == (7, 1, 2)
+    assert resolve_budget("m", "eagle3", "default", None, depth=3)[0].total_tokens == 24
     budget, _ = resolve_budget("m", "eagle3", "default", None, budget_config=good, lookup=5)  # --lookup replaces
     assert (budget.total_tokens, budget.lookup) == (12, 5)
     chained = save_budget({"method": "eagle3", "budget": {"kind": "dynamic", "total_tokens": 8, "depth": 2, "top_k": 3,

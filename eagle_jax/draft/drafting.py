@@ -87,7 +87,7 @@ class TreeBudget:
         else:
             if self.top_k < 1 or self.depth < 0:
                 raise ValueError(f"need top_k >= 1 and depth >= 0, got top_k={self.top_k}, depth={self.depth}")
-            most = 1 + self.top_k + self.depth * self.top_k ** 2
+            most = self.most_tokens(self.depth, self.top_k)
             if not 2 <= self.total_tokens <= most:
                 raise ValueError(f"total_tokens must be in [2, {most}] for top_k={self.top_k}, depth={self.depth}; "
                                  f"got {self.total_tokens}")
@@ -97,6 +97,12 @@ class TreeBudget:
             if self.lookup > self.total_tokens - 2:
                 raise ValueError(f"lookup must leave the head at least the root and one node: lookup <= "
                                  f"total_tokens - 2 = {self.total_tokens - 2}, got {self.lookup}")
+
+    @staticmethod
+    def most_tokens(depth: int, top_k: int) -> int:
+        """The most nodes a dynamic tree of this shape can offer: the root, its top_k children and
+        top_k² candidates a further expansion."""
+        return 1 + top_k + depth * top_k ** 2
 
     @property
     def draft_depth(self) -> int:
