@@ -15,7 +15,7 @@ from eagle_jax.draft import DraftConfig, TreeBudget, init_head, oracle_head
 from eagle_jax.draft.drafting import draft_tree
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.speculative import speculative_generate
-from eagle_jax.tree import DEFAULT_STATIC_TREE, node_depths
+from eagle_jax.tree import DEFAULT_STATIC_TREE, StaticTree, node_depths
 from test_sampling import _chi2_pvalue
 
 DYNAMIC = TreeBudget("dynamic", total_tokens=12, depth=4, top_k=3)
@@ -275,6 +275,15 @@ def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, bud
     assert _chi2_pvalue([tuple(r) for r in np.asarray(biased.tokens[:, p:p + 3])], joint) < 1e-6
 
 
+def _three_row_start(params, cfg, head, rng, budget):
+    """The state after prefilling three random prompts (4, 17 and 33 tokens) for `budget`."""
+    prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 33)]
+    toks, lens = pack_prompts(prompts, 64)
+    return speculative.spec_start(params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(8),
+                                  jnp.asarray([-1], jnp.int32), SamplingParams.create(3), jax.random.PRNGKey(0),
+                                  budget=budget, prefill_chunk=16)
+
+
 def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):
     """A tree of N nodes drafts N - 2 expansion levels, however deep the budget asks: the tree is
     the one the unclipped drafter (5 levels) gives — deeper levels could never be kept."""
@@ -289,11 +298,7 @@ def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):
     # Peaked logits: the best nodes form a chain down to level N - 1 (the deepest a tree of N holds).
     peaked = flat.replace(params={**flat.params, "lm_head": {"kernel": 200.0 * flat.params["lm_head"]["kernel"]}})
     for head in (flat, peaked, _heads(cfg, params)["eagle1-random"]):
-        prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 33)]
-        toks, lens = pack_prompts(prompts, 64)
-        st = speculative.spec_start(params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(8),
-                                    jnp.asarray([-1], jnp.int32), SamplingParams.create(3), jax.random.PRNGKey(0),
-                                    budget=unclipped, prefill_chunk=16)
+        st = _three_row_start(params, cfg, head, rng, unclipped)
         a = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, clipped)
         b = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, unclipped)
         assert bool(jnp.all(b.valid_bn))
@@ -315,15 +320,10 @@ def test_a_two_token_tree_drafts_no_level_and_equals_the_one_node_chain(tiny_lla
     object.__setattr__(wasted, "depth", 1)  # what the drafter did before stop 72
     siblings = TreeBudget("dynamic", total_tokens=3, depth=0, top_k=5)
     assert (siblings.depth, siblings.top_k, siblings.max_depth) == (0, 2, 1)
-    from eagle_jax.tree import StaticTree
     twins = {pair: TreeBudget("static", static_tree=StaticTree.from_json([[0]])),
              siblings: TreeBudget("static", static_tree=StaticTree.from_json([[0], [1]]))}
     for head in _heads(cfg, params).values():
-        prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 33)]
-        toks, lens = pack_prompts(prompts, 64)
-        st = speculative.spec_start(params, cfg, head, jnp.asarray(toks), jnp.asarray(lens), jnp.int32(8),
-                                    jnp.asarray([-1], jnp.int32), SamplingParams.create(3), jax.random.PRNGKey(0),
-                                    budget=wasted, prefill_chunk=16)
+        st = _three_row_start(params, cfg, head, rng, wasted)
         tree, cache = speculative.draft_tree_and_cache(head, params, cfg, st.h_root, st.root, st.dcache, pair)
         for x, y in zip(tree, draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, wasted)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
