@@ -199,24 +199,129 @@ def _metric(url, name) -> float:
     return total
 
 
-def test_disconnect_cancels_and_server_keeps_serving(server, engine, client):
-    url = server[0]
-    before = _metric(url, 'eagle_jax_generations_total{reason="cancelled"}')
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "w50"}], "max_tokens": 100, "stream": True}) as r:
-        for ln in r.iter_lines():
-            if ln.startswith("data: {"):
-                break  # first chunk received, then hang up
+@pytest.fixture
+def slow_steps(monkeypatch):
+    """Every stream step takes 50 ms more: a 100-token generation lasts seconds, so a hang-up that is
+    noticed lands while it runs, whatever the machine's load."""
     import time
 
-    for _ in range(100):
-        if _metric(url, 'eagle_jax_generations_total{reason="cancelled"}') > before:
-            break
-        time.sleep(0.1)
-    assert _metric(url, 'eagle_jax_generations_total{reason="cancelled"}') == before + 1
+    from eagle_jax.streaming import TokenStream
+
+    fast = TokenStream.advance
+
+    def advance(self, n_steps=1):
+        time.sleep(0.05)
+        return fast(self, n_steps)
+
+    monkeypatch.setattr(TokenStream, "advance", advance)
+
+
+def _long_prompt(engine) -> str:
+    return next(p for p in (f"w{i}" for i in range(5, 100)) if _chat_ref(engine, p, 100).new_tokens == 100)
+
+
+def _stream_then_hang_up(url, prompt):
+    """Open a streamed chat, read its first event (the role chunk, sent before any token), hang up."""
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 100,
+                            "temperature": 0, "stream": True}) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data: {"):
+                return
+
+
+CANCELLED = 'eagle_jax_generations_total{reason="cancelled"}'
+
+
+def _wait_for_cancelled(url, before, within=30.0):
+    """The cancelled count once it moved past `before` (or after `within` s: a deadline, not a measure)."""
+    import time
+
+    t0 = time.monotonic()
+    while _metric(url, CANCELLED) == before and time.monotonic() - t0 < within:
+        time.sleep(0.02)
+    return _metric(url, CANCELLED)
+
+
+def test_disconnect_cancels_and_server_keeps_serving(server, engine, client, slow_steps):
+    url = server[0]
+    prompt = _long_prompt(engine)
+    before, tokens = _metric(url, CANCELLED), _metric(url, "eagle_jax_generation_tokens_total")
+    _stream_then_hang_up(url, prompt)
+    assert _wait_for_cancelled(url, before) == before + 1
+    assert _metric(url, "eagle_jax_generation_tokens_total") - tokens < 100  # cut short, not run to its end
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w9 w17"}],
                                        max_tokens=20, temperature=0)
     assert r.choices[0].message.content == _chat_ref(engine, "w5 w9 w17", 20).text
+
+
+def test_client_that_hangs_up_while_queued_is_never_started(server, engine, monkeypatch, slow_steps):
+    import time
+
+    url, state = server
+    prompt = _long_prompt(engine)
+    monkeypatch.setattr(state.scheduler, "max_active", 1)
+    started = []
+    start = engine.start_stream
+    monkeypatch.setattr(engine, "start_stream", lambda ids, *a, **kw: started.append(list(ids)) or start(ids, *a, **kw))
+    ref = _chat_ref(engine, prompt, 100)
+    got = {}
+    busy = threading.Thread(target=lambda: got.update(httpx.post(  # holds the one slot for ~5 s
+        url + "/v1/chat/completions", timeout=120, json={"messages": [{"role": "user", "content": prompt}],
+                                                         "max_tokens": 100, "temperature": 0}).json()))
+    busy.start()
+    for _ in range(6000):
+        if started:
+            break
+        time.sleep(0.01)
+    before = _metric(url, CANCELLED)
+    _stream_then_hang_up(url, "w5 w9 w17")
+    assert _wait_for_cancelled(url, before) == before + 1
+    assert busy.is_alive()  # dropped from the queue while the first generation still runs
+    busy.join(120)
+    assert got["choices"][0]["message"]["content"] == ref.text
+    assert len(started) == 1  # the queued one never reached the engine
+
+
+def test_hang_up_cancels_under_an_asgi_2_4_server(server, engine, slow_steps):
+    """ASGI 2.4 servers leave listening for the hang-up to the app (Starlette's own streaming response
+    then notices it only when a write fails): drive the app directly as such a server would."""
+    import asyncio
+
+    from eagle_jax.serve.server import create_app
+
+    url, state = server
+    app = create_app(state)
+    body = json.dumps({"messages": [{"role": "user", "content": _long_prompt(engine)}], "max_tokens": 100,
+                       "temperature": 0, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    before, tokens = _metric(url, CANCELLED), _metric(url, "eagle_jax_generation_tokens_total")
+    bodies = []
+
+    async def main():
+        first = asyncio.Event()
+        requests = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if requests:
+                return requests.pop()
+            await first.wait()  # the client hangs up once it has the first event
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message["body"]:
+                bodies.append(message["body"])
+                first.set()
+
+        await asyncio.wait_for(app(scope, receive, send), 60)
+
+    asyncio.run(main())
+    assert _wait_for_cancelled(url, before) == before + 1
+    assert _metric(url, "eagle_jax_generation_tokens_total") - tokens < 100
+    assert b"[DONE]" not in b"".join(bodies)
 
 
 def test_metrics_count_requests_tokens_and_tau(server):
@@ -268,24 +373,13 @@ def test_not_ready_is_503(tiny_hf_dir):
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
 
 
-def test_non_streaming_client_that_hangs_up_cancels(server, engine, monkeypatch):
+def test_non_streaming_client_that_hangs_up_cancels(server, engine, slow_steps):
     import socket
     import time
 
-    from eagle_jax.streaming import TokenStream
-
-    prompt = next(p for p in (f"w{i}" for i in range(5, 100)) if _chat_ref(engine, p, 100).new_tokens == 100)
-
-    slow = TokenStream.advance
-
-    def advance(self, n_steps=1):  # ~50 ms a step: 100 tokens would take seconds
-        time.sleep(0.05)
-        return slow(self, n_steps)
-
-    monkeypatch.setattr(TokenStream, "advance", advance)
+    prompt = _long_prompt(engine)
     url, _ = server
-    key = 'eagle_jax_generations_total{reason="cancelled"}'
-    before = _metric(url, key)
+    before, tokens = _metric(url, CANCELLED), _metric(url, "eagle_jax_generation_tokens_total")
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": 100,
                        "temperature": 0}).encode()
     port = int(url.rsplit(":", 1)[1])
@@ -293,11 +387,8 @@ def test_non_streaming_client_that_hangs_up_cancels(server, engine, monkeypatch)
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(0.5)
-    t0 = time.monotonic()
-    while _metric(url, key) == before and time.monotonic() - t0 < 5:
-        time.sleep(0.05)
-    assert _metric(url, key) == before + 1
-    assert time.monotonic() - t0 < 3  # cancelled long before the 100 tokens (5 s) would be done
+    assert _wait_for_cancelled(url, before) == before + 1
+    assert _metric(url, "eagle_jax_generation_tokens_total") - tokens < 100  # cut short, not run to its end
 
 
 def test_oversized_body_is_413_and_full_queue_is_503(server, monkeypatch):

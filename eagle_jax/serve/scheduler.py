@@ -4,7 +4,8 @@ Requests wait in a FIFO queue; up to `max_active` are in flight at once and adva
 one `TokenStream.advance` (a few speculative steps) per turn, so every stream makes progress and a
 new request starts after at most one turn of each running one. Each job reports to its asyncio
 consumer through `Job.events` (thread-safe hand-off); a job whose consumer went away is cancelled
-at its next turn. `stop()` ends the worker: running and waiting jobs finish with "cancelled".
+at its next turn, or dropped from the queue unstarted. `stop()` ends the worker: running and
+waiting jobs finish with "cancelled".
 
 Batching: the streams are batch-of-one states of static shape; batching several requests into one
 speculative step (the stretch goal) would replace the round-robin turn with one batched advance over
@@ -140,9 +141,14 @@ class Scheduler:
                     self.waiting.clear()
                     self.active.clear()
                     break
+                gone = [j for j in self.waiting if j.cancelled]  # hung up while queued: never started
+                if gone:
+                    self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
                 while self.waiting and len(self.active) < self.max_active:
                     self.active.append(self.waiting.popleft())
                 turn = list(self.active)
+            for job in gone:
+                self._finish(job, "cancelled")
             for job in turn:
                 if self._turn(job):
                     with self._cond:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -204,6 +205,37 @@ def _error(e: api.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+class JobStream(StreamingResponse):
+    """Server-sent events of one job; the job is cancelled as soon as the client hangs up.
+
+    Starlette's own response, under ASGI 2.4 servers (uvicorn), notices a hang-up only when a later
+    write fails, and the generator's `finally` then runs whenever it is garbage-collected: a client
+    gone while its job waits in the queue, or between two events, left the generation running to
+    its end. Here a task waits for `http.disconnect` beside the writer, and `job.cancel()` runs on
+    every way out.
+    """
+
+    def __init__(self, content, job: Job, **kw):
+        super().__init__(content, **kw)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def write():
+                    with contextlib.suppress(OSError):  # the client went away mid-write
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(write)
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+        finally:
+            self.job.cancel()
+
+
 def create_app(state: ServerState) -> Starlette:
     m = state.metrics
 
@@ -245,8 +277,8 @@ def create_app(state: ServerState) -> Starlette:
         rid = api.new_id(kind)
         count(endpoint, 200)
         if req.stream:
-            return StreamingResponse(_stream(job, req, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return JobStream(_stream(job, req, rid), job, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(request, job, req, rid)
 
     def _event_error(kind: str, payload) -> Optional[api.APIError]:
