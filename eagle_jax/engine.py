@@ -137,14 +137,14 @@ class Engine:
         products only. With the kernel, a GGUF model (an alias or a .gguf file) also keeps its
         Q4_1 / Q8_0 blocks, which few-row products read instead of the float32 weights (same
         result; `models/quantized.py`).
-      draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "b16"
-        (the head rounded to bfloat16, multiplied by AVX512-BF16 dot instructions: the fastest
-        drafting where the CPU has them), "i8" (int8 weights, one scale a column, and rows of x
-        rounded to int8, multiplied by AVX512-VNNI's vpdpbusd), "q8_0x8" (the head quantised to
+      draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "i8"
+        (int8 weights, one scale a column, and rows of x rounded to int8, multiplied by
+        AVX512-VNNI's vpdpbusd: the fastest drafting where the CPU has them), "b16" (the head
+        rounded to bfloat16, multiplied by AVX512-BF16 dot instructions), "q8_0x8" (the head quantised to
         Q8_0, multiplied by int8 rows of x as the target's layers are under int8 activations;
         AVX512-VNNI or AVX2), "q8_0" (Q8_0, float32 rows of x), "q4_1" (to Q4_1: 59% of Q8_0's
-        bytes, coarser drafts), "f16" (a float16 checkpoint's own values, exactly) or "auto" (b16
-        where available, else i8 where available, else q8_0x8 where available, else q8_0). The output
+        bytes, coarser drafts), "f16" (a float16 checkpoint's own values, exactly) or "auto" (i8
+        where available, else b16 where available, else q8_0x8 where available, else q8_0). The output
         stays lossless whichever: the drafts are only proposals.
       activations: with the kernel and GGUF blocks, how the target's products treat x: "float32"
         (decoding steps and tree verifications through the kernel, prefill chunks through XLA:

@@ -156,9 +156,11 @@ def test_b16_packing_rounds_to_nearest_even_and_checks_shapes(monkeypatch):
     with pytest.raises(ValueError, match="do not fit"):
         cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 80)
     qx = "q8_0x8" if cpu_qx.available() else "q8_0"
-    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else "i8" if cm.i8_available() else qx)
+    assert resolve_draft_rows("auto") == ("i8" if cm.i8_available() else "b16" if cm.b16_available() else qx)
+    monkeypatch.setitem(cm._state, "i8", False)  # AVX512-BF16 without AVX512-VNNI
+    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else qx)
     monkeypatch.setitem(cm._state, "b16", False)  # a CPU without AVX512-BF16
-    assert resolve_draft_rows("auto") == ("i8" if cm.i8_available() else qx)
+    assert resolve_draft_rows("auto") == qx
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         resolve_draft_rows("b16")
     with pytest.raises(RuntimeError, match="AVX512-BF16"):

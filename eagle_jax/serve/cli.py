@@ -35,8 +35,8 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the CPU kernel: the draft head rounded to bfloat16 for AVX512-BF16 products (b16), "
                         "to int8 for AVX512-VNNI products (i8), quantised to Q8_0 (q8_0x8: with int8 rows of x, as the "
                         "target's int8 activations; q8_0: float32 rows) or to Q4_1 (smaller, faster, "
-                        "coarser drafts), or its float16 checkpoint values exactly; auto: b16 where the CPU has "
-                        "AVX512-BF16, else i8 where it has AVX512-VNNI, else q8_0x8 where it has AVX2, else q8_0 (the "
+                        "coarser drafts), or its float16 checkpoint values exactly; auto: i8 where the CPU has "
+                        "AVX512-VNNI, else b16 where it has AVX512-BF16, else q8_0x8 where it has AVX2, else q8_0 (the "
                         "output is the same whichever)")
     p.add_argument("--activations", default="auto", choices=ACTIVATIONS,
                    help="with the CPU kernel and a GGUF model: the target's few-row products on float32 rows of x "
