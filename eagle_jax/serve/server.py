@@ -208,11 +208,12 @@ def _error(e: api.APIError) -> JSONResponse:
 class JobStream(StreamingResponse):
     """Server-sent events of one job; the job is cancelled as soon as the client hangs up.
 
-    Starlette's own response, under ASGI 2.4 servers (uvicorn), notices a hang-up only when a later
-    write fails, and the generator's `finally` then runs whenever it is garbage-collected: a client
-    gone while its job waits in the queue, or between two events, left the generation running to
-    its end. Here a task waits for `http.disconnect` beside the writer, and `job.cancel()` runs on
-    every way out.
+    Starlette's own response listens for the hang-up only under servers of ASGI spec < 2.4 (as
+    uvicorn's HTTP protocols report today); under 2.4 it notices one only when a later write fails,
+    and the job is cancelled only once the abandoned generator is finalized: a client gone while
+    its job waits in the queue, or between two events, left the generation running to its end
+    (`tests/test_server.py` drives the app as a 2.4 server). Here a task waits for
+    `http.disconnect` beside the writer under every spec, and `job.cancel()` runs on every way out.
     """
 
     def __init__(self, content, job: Job, **kw):
