@@ -327,27 +327,25 @@ def create_app(state: ServerState) -> Starlette:
             job.cancel()  # a no-op once finished; stops the worker if this handler was cancelled
 
     async def _stream(job: Job, req: api.GenRequest, rid: str):
+        """The job's events as server-sent events (`JobStream` cancels the job however it ends)."""
         created = int(time.time())
         k, name = req.kind, state.model_name
-        try:
-            if k == "chat":
-                yield api.sse(api.chunk(k, rid, name, created, role=True))
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "delta":
-                    yield api.sse(api.chunk(k, rid, name, created, text=payload))
-                    continue
-                err = _event_error(kind, payload)
-                if err is not None:
-                    yield api.sse(err.body())
-                else:
-                    yield api.sse(api.chunk(k, rid, name, created, finish=payload))
-                    if req.include_usage:
-                        yield api.sse({**api.chunk(k, rid, name, created, use=_usage(job)), "eagle_jax": _extra(job)})
-                break
-            yield api.SSE_DONE
-        finally:
-            job.cancel()
+        if k == "chat":
+            yield api.sse(api.chunk(k, rid, name, created, role=True))
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "delta":
+                yield api.sse(api.chunk(k, rid, name, created, text=payload))
+                continue
+            err = _event_error(kind, payload)
+            if err is not None:
+                yield api.sse(err.body())
+            else:
+                yield api.sse(api.chunk(k, rid, name, created, finish=payload))
+                if req.include_usage:
+                    yield api.sse({**api.chunk(k, rid, name, created, use=_usage(job)), "eagle_jax": _extra(job)})
+            break
+        yield api.SSE_DONE
 
     async def chat(request: Request):
         return await generate(request, "chat")
