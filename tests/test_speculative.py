@@ -275,6 +275,12 @@ def test_sampled_speculative_tokens_follow_the_target(tiny_llama, head_name, bud
     assert _chi2_pvalue([tuple(r) for r in np.asarray(biased.tokens[:, p:p + 3])], joint) < 1e-6
 
 
+def _assert_same(a, b):
+    """Two pytrees (trees, caches) with equal leaves, bit for bit."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def _three_row_start(params, cfg, head, rng, budget):
     """The state after prefilling three random prompts (4, 17 and 33 tokens) for `budget`."""
     prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (4, 17, 33)]
@@ -304,8 +310,7 @@ def test_dynamic_depth_is_clipped_to_what_the_tree_can_hold(tiny_llama, rng):
         assert bool(jnp.all(b.valid_bn))
         if head is peaked:
             assert int(jnp.max(node_depths(b.parents_bn, b.valid_bn, unclipped.max_depth))) == 4
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        _assert_same(a, b)
 
 
 def test_a_two_token_tree_drafts_no_level_and_equals_the_one_node_chain(tiny_llama, rng):
@@ -324,16 +329,12 @@ def test_a_two_token_tree_drafts_no_level_and_equals_the_one_node_chain(tiny_lla
              siblings: TreeBudget("static", static_tree=StaticTree.from_json([[0], [1]]))}
     for head in _heads(cfg, params).values():
         st = _three_row_start(params, cfg, head, rng, wasted)
+        draft = lambda budget: draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, budget)
         tree, cache = speculative.draft_tree_and_cache(head, params, cfg, st.h_root, st.root, st.dcache, pair)
-        for x, y in zip(tree, draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, wasted)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        for x, y in zip(jax.tree.leaves(cache), jax.tree.leaves(st.dcache)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        _assert_same(tree, draft(wasted))
+        _assert_same(cache, st.dcache)
         for budget, static in twins.items():
-            a = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, budget)
-            b = draft_tree(head, params, cfg, st.h_root, st.root, st.dcache, static)
-            for x, y in zip(a, b):
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            _assert_same(draft(budget), draft(static))
 
 
 ONE_ROW_BUDGETS = {"dynamic": DYNAMIC, "static": STATIC,
