@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The default drafters for SmolLM2-135M-Instruct, end to end (each stage resumes; stages 1–21 ran on
-# this CPU, stages 22–26 on lent GPUs):
+# this CPU, stages 22–26 and 28 on lent GPUs):
 #   1. self-distil conversations with the target (HumanEval-train, OpenAI-evals questions,
 #      self-instruct questions written by the target; held-out chat/code prompts go to eval only);
-#   2. train the EAGLE-3 head (the default) in twenty-six stages — stage 1 and 2 on runs/sd, stage 3 on
+#   2. train the EAGLE-3 head (the default) in twenty-seven stages — stage 1 and 2 on runs/sd, stage 3 on
 #      runs/sd2 (runs/sd extended with more evals and self-instruct questions), stages 4–7 on
 #      runs/sd3 (extended again; stages 6 and 7 pack several conversations per row, stage 7
 #      rebuilds the draft vocabulary at 8192 tokens), stage 8 on sd4 (stored in the repository;
@@ -13,10 +13,11 @@
 #      sd14, stage 18 sd15 (stage 19, not packaged, replays four sets beside sd16), stage 20 sd17 +
 #      sd18 on a 12288-token vocabulary, stage 21 sd19, stage 22 (1000 steps of 64 rows on a GPU)
 #      every set plus sd20a, stage 23 (1988 steps on a GPU) every set up to sd21, stage 24 (3010 steps
-#      on a GPU) every set up to sd22, stage 25 (3325) every set up to sd24, stage 26 (the packaged
-#      head: 2142 steps on a GPU) every set up to sd26
+#      on a GPU) every set up to sd22, stage 25 (3325) every set up to sd24, stage 26 (2142 steps on
+#      a GPU) every set up to sd26, stage 28 (the packaged head: 3290 steps on a GPU) every set up to
+#      sd27 (stage 27, a CPU stage on sd27, was not packaged and is not in this chain)
 #      — and an EAGLE-1 head in four stages: on runs/sd, then (stages 2 to 4) on every stored set (offline
-#      features for EAGLE-3 on the CPU, online for EAGLE-1 and for stages 22–26);
+#      features for EAGLE-3 on the CPU, online for EAGLE-1 and for stages 22–28);
 #   3. export both in the released EAGLE layout (float16) into eagle_jax/assets/drafters/.
 # Rerun the same command after an interruption: every stage continues where it stopped.
 set -euo pipefail
@@ -159,10 +160,13 @@ python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage24.json "$@
 # set, sd24 included (48598 conversations): a cosine over 3325 steps of 64 rows, 424 s on the H200.
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage25.json "$@"
 # sd26 and sd27 (stored; seeds 26 and 27): self-instruct conversations written on a lent H200 at stop 51 by
-# train/gpu.sh's first step. Stage 26 (the packaged head; `train/gpu.sh OUT 160 0`) trains stage 25's head on
-# every set up to sd26 (54742 conversations): a cosine over 2142 steps of 64 rows, 274 s on the H200. sd27
-# waits for the next stage.
+# train/gpu.sh's first step. Stage 26 (`train/gpu.sh OUT 160 0`) trains stage 25's head on every set up to
+# sd26 (54742 conversations): a cosine over 2142 steps of 64 rows, 274 s on the H200.
 python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage26.json "$@"
+# Stage 28 (the packaged head; stop 74, `train/gpu.sh OUT 0 0` on a lent H200) trains stage 26's head on every
+# set up to sd27 (65956 conversations): a cosine over 3290 steps of 64 rows, 417 s on the H200. sd28 (stored;
+# seed 28, written in the same session) waits for the next stage.
+python -m eagle_jax.train --config configs/train/smollm2_eagle3_stage28.json "$@"
 train/cpu.sh configs/train/smollm2_eagle1_cpu.json "$@"
 # The EAGLE-1 head, stage 2 (stop 46, this CPU: the 2-core AVX2 VM): stage 1's head on every stored set,
 # sd24 included (48598 conversations, packed), target features online, a 220-step cosine (26 s a step).
@@ -176,5 +180,5 @@ train/cpu.sh configs/train/smollm2_eagle1_cpu_stage4.json "$@"
 dest=eagle_jax/assets/drafters
 mkdir -p "$dest"
 rm -rf "$dest/smollm2-135m-instruct-eagle3" "$dest/smollm2-135m-instruct-eagle1"
-cp -r runs/eagle3-stage26/export "$dest/smollm2-135m-instruct-eagle3"
+cp -r runs/eagle3-stage28/export "$dest/smollm2-135m-instruct-eagle3"
 cp -r runs/eagle1-stage4/export "$dest/smollm2-135m-instruct-eagle1"

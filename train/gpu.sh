@@ -4,14 +4,14 @@
 #      on an H200 24k reply tokens/s, against 1.3k for continuous batching's row-by-row refills;
 #      questions written 512 at a time; ids already in train/data are left out; held-out prompts
 #      are filtered as always) for at most GEN_SECONDS; the replies written by then are kept;
-#   2. train the packaged head on every stored set plus the new one (stage 26's config,
-#      configs/train/smollm2_eagle3_stage26.json, its sets and every other train/data/*.jsonl.gz but
+#   2. train the packaged head on every stored set plus the new one (stage 28's config,
+#      configs/train/smollm2_eagle3_stage28.json, its sets and every other train/data/*.jsonl.gz but
 #      the held-out one, for STEPS steps: target features online, 7.9 steps a second on an H200) for
 #      at most TRAIN_SECONDS, then export it.
 #
 #   train/gpu.sh OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS] [--set section.key=value ...]
 #   (GEN_SECONDS=0 skips step 1: training on the stored sets alone)
-#   (environment: SEED=28 (sd27 is stored and untrained; seed 28 writes a new sd28), N=12000 questions asked for,
+#   (environment: SEED=29 (sd28 is stored and untrained; seed 29 writes a new sd29), N=12000 questions asked for,
 #    ROWS=512 replies decoded at once, QROWS=512, STEPS=1500 training steps of 64 rows,
 #    GEN_PRECISION=highest: the target generates with float32 products, not TF32,
 #    TOTAL_SECONDS: a box for the whole script; training then gets what generation left of it, less
@@ -26,14 +26,16 @@
 # stop 44 (stage 24: the same with GEN_SECONDS=0, every step of the box on the stored sets) and at stop 50
 # (stage 25: TOTAL_SECONDS=575 TRAIN_OVERHEAD=100 STEPS=auto train/gpu.sh OUT 0 0 --set train.save_every=500)
 # and at stop 51 (stage 26: SEED=26 TOTAL_SECONDS=568 TRAIN_OVERHEAD=100 STEPS=auto train/gpu.sh OUT 160 0, then
-# sd27 in a second call: the self-distillation command below with --seed 27 under `timeout 150`).
+# sd27 in a second call: the self-distillation command below with --seed 27 under `timeout 150`) and at stop 74
+# (stage 28: SEED=28 TOTAL_SECONDS=570 TRAIN_OVERHEAD=100 STEPS=auto train/gpu.sh OUT 0 0, then sd28 in a second
+# call under `timeout 140`; train/README.md says how the GGUF and the wheels got there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${1:?usage: train/gpu.sh OUT_DIR [GEN_SECONDS] [TRAIN_SECONDS]}
 GEN_SECONDS=${2:-240}
 TRAIN_SECONDS=${3:-240}
-SEED=${SEED:-28}
+SEED=${SEED:-29}
 N=${N:-12000}
 ROWS=${ROWS:-512}
 QROWS=${QROWS:-512}
@@ -71,7 +73,7 @@ fi
 [[ $STEPS == auto ]] && STEPS=$(( TRAIN_SECONDS * ${STEPS_PER_SECOND:-7} ))
 echo "[gpu.sh] training for at most ${TRAIN_SECONDS}s, a cosine over $STEPS steps" >&2
 
-BASE=configs/train/smollm2_eagle3_stage26.json
+BASE=configs/train/smollm2_eagle3_stage28.json
 TRAIN_FILES=$(python3 - "$BASE" ${NEW_SET[@]+"${NEW_SET[@]}"} <<'PY'
 import glob, json, sys
 cfg = json.load(open(sys.argv[1]))
