@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .png import save_figure
+
 
 def _plt():
     import matplotlib
@@ -134,6 +136,6 @@ def _budget_panel(ax, m: str, rec: dict):
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     _plt().close(fig)
     return path

@@ -21,6 +21,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ..atomic_file import write_atomic
+from ..png import save_figure
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def plot_metrics(metrics_path: str | os.PathLike, out_dir: str | os.PathLike,
 
     def save(fig, name):
         path = out_dir / name
-        fig.savefig(path, dpi=100, bbox_inches="tight")
+        save_figure(fig, path, dpi=100, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
 
