@@ -4,8 +4,8 @@ The benchmark and training plots are flat colours, text and anti-aliased lines, 
 256-colour palette (median cut) draws with no difference a reader can see, in about a third of
 the bytes. The repository keeps every run's plots, and a device call carries the whole checkout
 under a size limit, so the bytes count. `save_figure` writes a matplotlib figure that way (whole,
-through `write_atomic`); `python -m eagle_jax.png FILE...` converts PNGs already written, keeping
-a file as it is where the palette one would not be smaller. Pillow comes with matplotlib; without
+through `write_atomic`); `python -m eagle_jax.png FILE...` converts PNGs already written. Either
+keeps matplotlib's file where the palette one would not be smaller. Pillow comes with matplotlib; without
 it the figure is saved as matplotlib writes it.
 """
 
@@ -45,7 +45,7 @@ def save_figure(fig, path: str | os.PathLike, **savefig_kw) -> Path:
     fig.savefig(buf, format="png", **savefig_kw)
     data = buf.getvalue()
     try:
-        data = palette_png(data)
+        data = min(palette_png(data), data, key=len)  # the palette file, unless it came out larger
     except ImportError:  # no Pillow: matplotlib's own file
         pass
     return write_atomic(path, data)
