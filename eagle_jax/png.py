@@ -5,8 +5,8 @@ The benchmark and training plots are flat colours, text and anti-aliased lines, 
 the bytes. The repository keeps every run's plots, and a device call carries the whole checkout
 under a size limit, so the bytes count. `save_figure` writes a matplotlib figure that way (whole,
 through `write_atomic`); `python -m eagle_jax.png FILE...` converts PNGs already written. Either
-keeps matplotlib's file where the palette one would not be smaller. Pillow comes with matplotlib; without
-it the figure is saved as matplotlib writes it.
+keeps matplotlib's file where the palette one would not be smaller. Pillow comes with
+matplotlib; without it the figure is saved as matplotlib writes it.
 """
 
 from __future__ import annotations
