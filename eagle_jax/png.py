@@ -39,27 +39,32 @@ def palette_png(data: bytes) -> bytes:
     return out.getvalue()
 
 
+def slimmed(data: bytes) -> bytes:
+    """`palette_png(data)` where it is smaller than `data` (a PNG), else `data` itself."""
+    new = palette_png(data)
+    return new if len(new) < len(data) else data
+
+
 def save_figure(fig, path: str | os.PathLike, **savefig_kw) -> Path:
     """`fig.savefig(path, **savefig_kw)` as a palette PNG (module doc)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", **savefig_kw)
     data = buf.getvalue()
     try:
-        data = min(palette_png(data), data, key=len)  # the palette file, unless it came out larger
+        data = slimmed(data)
     except ImportError:  # no Pillow: matplotlib's own file
         pass
     return write_atomic(path, data)
 
 
 def slim_file(path: str | os.PathLike) -> tuple[int, int]:
-    """Rewrite the PNG at `path` as a palette PNG where that is smaller; (bytes before, after)."""
+    """Rewrite the PNG at `path` as `slimmed` says; (bytes before, after)."""
     path = Path(path)
     old = path.read_bytes()
-    new = palette_png(old)
-    if len(new) < len(old):
+    new = slimmed(old)
+    if new is not old:
         write_atomic(path, new)
-        return len(old), len(new)
-    return len(old), len(old)
+    return len(old), len(new)
 
 
 def main(argv=None) -> int:
