@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -132,9 +133,6 @@ inline int64_t scores_grouped(const float* const*, int64_t, const float*, int64_
                               float*) {
   return 0;
 }
-
-// A single query (a one-row decoding step) of a short cache runs inline (Attention).
-constexpr bool kOneQueryInline = true;
 
 // acc[qi][0, 16 VD) += sum over s < s_end (ascending) of p[qi][s] * v_s for NQ queries, and
 // den[qi] += p[qi][s], skipping zero weights as pv_by_rows does; the accumulators stay in
@@ -371,10 +369,17 @@ inline void pv(const float* p, int64_t sp, int64_t Q, const float* vb, int64_t r
     pv_regs<VD>(p + qi * sp, sp, Q - qi, vb, row, s_end, acc + qi * D, den + qi);
   }, [&] { pv_by_rows(p, sp, Q, vb, row, s_end, D, acc, den); });
 }
-
-// Every call takes the pool's threads, a single query too (Attention).
-constexpr bool kOneQueryInline = false;
 #endif
+
+// Whether a single query (a one-row decoding step) of a short cache runs inline on the calling
+// thread instead of taking the pool (Attention): EAGLE_JAX_CPU_ATTENTION_INLINE=1; by default no.
+inline bool one_query_inline() {
+  static const bool inline_one = [] {
+    const char* v = std::getenv("EAGLE_JAX_CPU_ATTENTION_INLINE");
+    return v != nullptr && v[0] == '1';
+  }();
+  return inline_one;
+}
 
 // p[qi][s] = (q_qi · k_s) * scale for s < s_end, each query's row sp floats (the rest unspecified):
 // the queries scores_grouped takes, then the others one at a time.
@@ -473,21 +478,23 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   job->q = q.typed_data(); job->k = k.typed_data(); job->v = v.typed_data();
   job->mask = mask.typed_data(); job->out = out->typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // AVX-512 build: one query of a short cache (a one-row decoding step) runs inline, as measured on
-  // the Xeon VM (stop 48): waking a helper cost more than the work. AVX2 build: every call takes
-  // the pool, as measured on the Zen 4 VM (stop 63): with one query the keys and values stream
-  // from L3 at about 18 GB/s on one core, and two cores took SmolLM2's attention from 16.8 to 12.1
-  // us a layer at 200 visible slots (no slower at 8: 2.0 against 2.0); plain decoding went from
-  // 136 / 134 / 137 to 149 / 156 / 157 tok/s (8 + 8 held-out prompts, in turns), EAGLE-3 from
-  // 174 / 188 / 187 to 186 / 188 / 192.
-  // Anything more takes the pool's threads, also to keep them awake: a helper idle
+  // Every call takes the pool's threads, a single query too. With one query the keys and values
+  // stream from L3 at about 18 GB/s on one core; two cores took SmolLM2's attention from 16.8 to
+  // 12.1 us a layer at 200 visible slots (no slower at 8: 2.0 against 2.0), the Zen 4 VM, AVX2
+  // build, stop 63: plain decoding 136 / 134 / 137 -> 149 / 156 / 157 tok/s. The AVX-512 build ran
+  // one query inline until stop 76, as measured on the Xeon VM at stop 48 (waking a helper cost
+  // more than the work there); on the Zen 4 VM with AVX-512 shown that left the helper asleep for
+  // the o_proj product after it (o_proj 26-30 us a layer against 13-15 with AVX2's kernels), and
+  // taking the pool made plain decoding 10-12% faster (124 / 138 -> 137 / 154 tok/s, in turns).
+  // EAGLE_JAX_CPU_ATTENTION_INLINE=1 brings the inline single query back (`one_query_inline`).
+  // Taking the pool also keeps its helper awake: a helper idle
   // through a long inline attention wakes late for the o_proj product that follows, which then
   // runs on one thread (a 5-token tree's o_proj took 61 µs a layer against 33 with the helper kept
   // busy; a plain step of 4 rows 20.3-22.1 ms against 18.3-19.9; the 2-core Xeon VM, stop 48).
   // A tree's queries are cut into blocks so that every thread gets about two tasks: 3 KV heads
   // over 2 threads took two rounds of whole heads. With that and the 16-slot scores, a 5-token
   // tree's attention takes 22 µs a layer against 35 (the 2-core Xeon VM, stop 49).
-  const bool inline_only = kOneQueryInline && job->B * job->T == 1 && job->S < 4096;
+  const bool inline_only = one_query_inline() && job->B * job->T == 1 && job->S < 4096;
   if (!inline_only) job->parts = std::min<int64_t>(job->T, (2 * threads + job->B * job->Hkv - 1) / (job->B * job->Hkv));
   const int64_t tasks = job->B * job->Hkv * job->parts;
   const int64_t helpers = inline_only ? 0 : std::min<int64_t>(threads, tasks) - 1;
