@@ -45,7 +45,8 @@ tuned greedily, so `--total-tokens auto` takes no `--temperature`.
 against the reference path; see eagle_jax/kernels/bench.py); `python -m eagle_jax.bench matmul`
 times the few-row weight products through XLA and the CPU kernel (kernels/matmul_bench.py);
 `python -m eagle_jax.bench trace` traces decoding steps with jax.profiler and sums their
-operations (step_trace.py).
+operations (step_trace.py); `python -m eagle_jax.bench turns` compares draft-row kinds and trees of
+one method in one process, in turns (bench_turns.py).
 """
 
 from __future__ import annotations
@@ -294,6 +295,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["trace"]:  # where a decoding step's time goes, operation by operation
         from .step_trace import main as trace_main
         return trace_main(argv[1:])
+    if argv[:1] == ["turns"]:  # draft-row kinds and trees of one method, in one process
+        from .bench_turns import main as turns_main
+        return turns_main(argv[1:])
     args = build_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in ALL_METHODS]

@@ -137,14 +137,14 @@ class Engine:
         products only. With the kernel, a GGUF model (an alias or a .gguf file) also keeps its
         Q4_1 / Q8_0 blocks, which few-row products read instead of the float32 weights (same
         result; `models/quantized.py`).
-      draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "i8"
-        (int8 weights, one scale a column, and rows of x rounded to int8, multiplied by
-        AVX512-VNNI's vpdpbusd: the fastest drafting where the CPU has them), "b16" (the head
-        rounded to bfloat16, multiplied by AVX512-BF16 dot instructions), "q8_0x8" (the head quantised to
-        Q8_0, multiplied by int8 rows of x as the target's layers are under int8 activations;
-        AVX512-VNNI or AVX2), "q8_0" (Q8_0, float32 rows of x), "q4_1" (to Q4_1: 59% of Q8_0's
-        bytes, coarser drafts), "f16" (a float16 checkpoint's own values, exactly) or "auto" (i8
-        where available, else b16 where available, else q8_0x8 where available, else q8_0). The output
+      draft_rows: with the kernel, what draft heads loaded by `add_method` keep for it: "q4_1x8"
+        (the head quantised to Q4_1, 5 bits a weight, multiplied by int8 rows of x as the target's
+        layers are under int8 activations; AVX512-VNNI or AVX2: the fastest drafting where the CPU
+        has them), "q8_0x8" (the same with Q8_0), "i8" (int8 weights, one scale a column, rows of x
+        rounded to int8; AVX512-VNNI), "b16" (the head rounded to bfloat16, multiplied by
+        AVX512-BF16 dot instructions), "q8_0" / "q4_1" (Q8_0 / Q4_1 on float32 rows of x), "f16" (a
+        float16 checkpoint's own values, exactly) or "auto" (q4_1x8 where available, else b16 where
+        available, else q8_0). The output
         stays lossless whichever: the drafts are only proposals.
       activations: with the kernel and GGUF blocks, how the target's products treat x: "float32"
         (decoding steps and tree verifications through the kernel, prefill chunks through XLA:
@@ -260,7 +260,7 @@ class Engine:
         """
         if method not in SPEC_METHODS:
             raise ValueError(f"unknown method {method!r}; choose from vanilla, {', '.join(SPEC_METHODS)}")
-        head = drafter if isinstance(drafter, DraftHead) else self._load_head(method, drafter)
+        head = drafter if isinstance(drafter, DraftHead) else self.load_head(method, drafter)
         want = "eagle3" if method == "eagle3" else "eagle1"
         if head.cfg.kind not in (want, "oracle"):
             raise ValueError(f"method {method} needs an {want.upper().replace('EAGLE', 'EAGLE-')} head, "
@@ -272,7 +272,9 @@ class Engine:
             budget = resolve_budget(self.model_spec, method, drafter, None, kernels=self.kernel_tag)[0]
         self.budgets[method] = budget or default_budget(method)
 
-    def _load_head(self, method: str, spec: str) -> DraftHead:
+    def load_head(self, method: str, spec: str, rows: Optional[str] = None) -> DraftHead:
+        """The head `add_method(method, spec)` would load, without adding it; `rows` overrides
+        the engine's `draft_rows` for it (only the CPU kernel reads them)."""
         kind = "eagle3" if method == "eagle3" else "eagle1"
         if spec == "oracle":
             return oracle_head(self.cfg, self.params)
@@ -287,7 +289,7 @@ class Engine:
             spec = str(path)
         from .draft.checkpoint import load_drafter
 
-        return load_drafter(spec, self.cfg, rows=self.draft_rows)
+        return load_drafter(spec, self.cfg, rows=rows or self.draft_rows)
 
     @property
     def name(self) -> str:

@@ -155,12 +155,11 @@ def test_b16_packing_rounds_to_nearest_even_and_checks_shapes(monkeypatch):
     assert "b16" not in held["a"] and "b16" in held["b"]  # rows too long for the kernel keep float32
     with pytest.raises(ValueError, match="do not fit"):
         cm.bmatmul(jnp.zeros((1, 4)), jnp.asarray(cm.pack_b16(np.zeros((4, 16), np.float32))), 80)
-    qx = "q8_0x8" if cpu_qx.available() else "q8_0"
-    assert resolve_draft_rows("auto") == ("i8" if cm.i8_available() else "b16" if cm.b16_available() else qx)
-    monkeypatch.setitem(cm._state, "i8", False)  # AVX512-BF16 without AVX512-VNNI
-    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else qx)
-    monkeypatch.setitem(cm._state, "b16", False)  # a CPU without AVX512-BF16
-    assert resolve_draft_rows("auto") == qx
+    assert resolve_draft_rows("auto") == ("q4_1x8" if cpu_qx.available() else "b16" if cm.b16_available() else "q8_0")
+    monkeypatch.setitem(cm._state, "qx", False)  # AVX512-BF16 without int8 rows of x
+    assert resolve_draft_rows("auto") == ("b16" if cm.b16_available() else "q8_0")
+    monkeypatch.setitem(cm._state, "b16", False)  # nor AVX512-BF16
+    assert resolve_draft_rows("auto") == "q8_0"
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         resolve_draft_rows("b16")
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
@@ -231,9 +230,11 @@ def test_i8_packing_checks_shapes_and_availability(monkeypatch):
         cm.imatmul(jnp.zeros((1, 16)), jnp.asarray(packed), jnp.asarray(scales), 80)
     monkeypatch.setitem(cm._state, "i8", False)  # a CPU without AVX512-VNNI (nor AVX512-BF16)
     monkeypatch.setitem(cm._state, "b16", False)
-    assert resolve_draft_rows("auto") == ("q8_0x8" if cpu_qx.available() else "q8_0")  # AVX2's int8 rows
+    assert resolve_draft_rows("auto") == ("q4_1x8" if cpu_qx.available() else "q8_0")  # AVX2's int8 rows
     monkeypatch.setitem(cm._state, "qx", False)  # nor int8 rows of x
     assert resolve_draft_rows("auto") == "q8_0"
+    with pytest.raises(RuntimeError, match="int8 rows of x"):
+        resolve_draft_rows("q4_1x8")
     with pytest.raises(RuntimeError, match="AVX512-VNNI"):
         resolve_draft_rows("i8")
     with pytest.raises(RuntimeError, match="AVX512-VNNI"):
@@ -244,12 +245,13 @@ needs_qx = pytest.mark.skipif(not cm.available() or not cm._state.get("qx"), rea
 
 
 @pytest.mark.parametrize("rows", ["f16", "q8_0", "q4_1", pytest.param("b16", marks=needs_b16),
-                                  pytest.param("i8", marks=needs_i8), pytest.param("q8_0x8", marks=needs_qx)])
+                                  pytest.param("i8", marks=needs_i8), pytest.param("q8_0x8", marks=needs_qx),
+                                  pytest.param("q4_1x8", marks=needs_qx)])
 def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_path, rows):
     """A draft head stored in float16 and loaded under the kernel keeps compact rows beside every
     Dense kernel: its float16 values exactly ("f16"), or Q8_0 / Q4_1 blocks / bfloat16 tiles whose
-    values also replace the float32 kernel ("q8_0", "q4_1", "b16", and "q8_0x8": Q8_0 blocks regrouped for
-    int8 rows of x; every path computes with the same weights).
+    values also replace the float32 kernel ("q8_0", "q4_1", "b16", and "q8_0x8" / "q4_1x8": Q8_0 / Q4_1
+    blocks regrouped for int8 rows of x; every path computes with the same weights).
     Drafting reads them (zeroing them zeroes fc's output), the XLA path agrees (b16: to the
     rounding of x to bfloat16), and decoding stays lossless."""
     from gguf import GGMLQuantizationType
@@ -278,11 +280,12 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
         elif rows == "b16":
             np.testing.assert_array_equal(cm.unpack_b16(np.asarray(node["b16"]), w.shape[1]), w)
             np.testing.assert_array_equal(w, _bf16(ref["kernel"]))
-        elif rows == "q8_0x8" and rows in node:  # (an output count not a multiple of 16 keeps Q8_0 blocks)
+        elif rows in ("q8_0x8", "q4_1x8") and rows in node:  # (outputs not a multiple of 16 keep their blocks)
             from eagle_jax.kernels import cpu_qx
 
             np.testing.assert_array_equal(cpu_qx.dequantize(np.asarray(node[rows]), rows).T, w)
-            np.testing.assert_allclose(w, np.asarray(ref["kernel"]), rtol=0, atol=np.abs(w).max() / 100)
+            step = 100 if rows == "q8_0x8" else 10  # half a step, as below
+            np.testing.assert_allclose(w, np.asarray(ref["kernel"]), rtol=0, atol=np.abs(w).max() / step)
         elif rows == "i8":
             scales = np.asarray(node["i8_scales"])
             np.testing.assert_array_equal(cm.unpack_i8(np.asarray(node["i8"]), scales, w.shape[1]), w)
@@ -305,7 +308,7 @@ def test_draft_head_reads_its_compact_rows_and_stays_lossless(tiny_hf_dir, tmp_p
         w_fc = np.abs(np.asarray(loaded.params["fc"]["kernel"]))
         bound = 2 ** -9 * (np.abs(np.asarray(feats)).reshape(-1, w_fc.shape[0]) @ w_fc) + 1e-5
         assert np.all(np.abs(got - want).reshape(bound.shape) <= bound)
-    elif rows in ("i8", "q8_0x8"):  # x rounded to int8 (a row, a block): at most half a step, max |x| / 254
+    elif rows in ("i8", "q8_0x8", "q4_1x8"):  # x rounded to int8 (a row, a block): at most half a step, max |x| / 254
         w_fc = np.abs(np.asarray(loaded.params["fc"]["kernel"]))
         x_rows = np.asarray(feats).reshape(-1, w_fc.shape[0])
         bound = np.abs(x_rows).max(axis=1, keepdims=True) / 254 * w_fc.sum(axis=0) * (1 + 1e-3) + 1e-5

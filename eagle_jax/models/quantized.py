@@ -279,7 +279,7 @@ def kernels_without_blocks(params, paths) -> list[tuple[str, ...]]:
     return missing
 
 
-DRAFT_ROWS = ("auto", "b16", "i8", "q8_0x8", "q8_0", "q4_1", "f16")
+DRAFT_ROWS = ("auto", "b16", "i8", "q8_0x8", "q4_1x8", "q8_0", "q4_1", "f16")
 
 
 def _with_dense_rows(params, rows_for):
@@ -316,6 +316,12 @@ def attach_q8_0x8_rows(params):
     block of a row of x rounded to int8, the products summed exactly in int32; AVX512-VNNI or AVX2).
     A node whose outputs are not a multiple of 16 keeps its Q8_0 blocks."""
     return regroup_for_int8(attach_q8_0_rows(params))
+
+
+def attach_q4_1x8_rows(params):
+    """`attach_q8_0x8_rows` with Q4_1 blocks ("q4_1x8"): the head quantised to Q4_1 (5 bits a
+    weight, 62% of int8 tiles' bytes), multiplied on int8 rows of x as the target's Q4_1 layers are."""
+    return regroup_for_int8(attach_q4_1_rows(params))
 
 
 def _attach_quant_rows(params, kind: str):
@@ -371,28 +377,28 @@ def attach_i8_rows(params):
 
 
 def resolve_draft_rows(rows: str) -> str:
-    """"auto" → "i8" where the kernel has AVX512-VNNI, else "b16" where it has AVX512-BF16, else
-    "q8_0x8" where it has int8 rows of x (AVX2), else "q8_0"; other choices are checked. (On AVX2,
-    q8_0x8 drafted in 0.54-0.58 ms a step against 0.95-1.00 for q8_0 at the serving tree, with the
-    same tau, at stop 63. On the Zen 4 VM with both AVX512-VNNI and AVX512-BF16, stop 73, in one
-    process: EAGLE-3 at 1.60x plain decoding with i8 rows against 1.44x with b16, tau 2.06 / 2.03:
-    the head's int8 tiles are half the bytes, and a step's drafting reads them from memory. Before
-    stop 73 b16 came first; the two had never been compared on one CPU.)"""
+    """"auto" → "q4_1x8" where the kernel has int8 rows of x (AVX512-VNNI or AVX2), else "b16" where
+    it has AVX512-BF16, else "q8_0"; other choices are checked. A step reads the head from memory
+    (the target's pass evicts it), so its bytes decide. Stop 76, the Zen 4 VM, one process, 8 + 8
+    held-out prompts in turns (`python -m eagle_jax.bench turns`): EAGLE-3 at its packaged 3-token
+    tree 1.523x plain decoding with Q4_1 blocks on int8 rows (5 bits a weight) against 1.428x
+    with int8 tiles (i8, 8 bits; the default where the CPU has AVX512-VNNI from stop 73), tau
+    2.169 / 2.172; the kernels' AVX2 build against q8_0x8 (its default from stop 63): 1.173x /
+    1.161x at its 2-token tree, 1.342x / 1.228x at 3 tokens."""
     from ..kernels import cpu_qx
     from ..kernels.cpu_matmul import b16_available, i8_available
 
     if rows not in DRAFT_ROWS:
         raise ValueError(f"draft rows must be one of {DRAFT_ROWS}, got {rows!r}")
     if rows == "auto":
-        return ("i8" if i8_available() else "b16" if b16_available() else "q8_0x8" if cpu_qx.available()
-                else "q8_0")
+        return "q4_1x8" if cpu_qx.available() else "b16" if b16_available() else "q8_0"
     if rows == "b16" and not b16_available():
         raise RuntimeError("draft rows 'b16' need the CPU kernel built with AVX512-BF16, which this machine lacks")
     if rows == "i8" and not i8_available():
         raise RuntimeError("draft rows 'i8' need the CPU kernel built with AVX512-VNNI, which this machine "
                            "lacks")
-    if rows == "q8_0x8" and not cpu_qx.available():
-        raise RuntimeError("draft rows 'q8_0x8' need the CPU kernel's int8 rows of x (AVX512-VNNI or AVX2), "
+    if rows in ("q8_0x8", "q4_1x8") and not cpu_qx.available():
+        raise RuntimeError(f"draft rows {rows!r} need the CPU kernel's int8 rows of x (AVX512-VNNI or AVX2), "
                            "which this machine lacks")
     return rows
 
@@ -414,9 +420,11 @@ def attach_f16_rows(params):
 
 def attach_draft_rows(params, rows: str):
     """The compact rows a draft head keeps for the CPU kernel: "b16" (`attach_b16_rows`), "i8"
-    (`attach_i8_rows`), "q8_0x8" (`attach_q8_0x8_rows`), "q8_0" (`attach_q8_0_rows`), "q4_1"
+    (`attach_i8_rows`), "q8_0x8" (`attach_q8_0x8_rows`), "q4_1x8" (`attach_q4_1x8_rows`), "q8_0"
+    (`attach_q8_0_rows`), "q4_1"
     (`attach_q4_1_rows`), "f16" (`attach_f16_rows`: the stored float16 values, exactly) or "auto"
     (`resolve_draft_rows`)."""
     rows = resolve_draft_rows(rows)
-    return {"b16": attach_b16_rows, "i8": attach_i8_rows, "q8_0x8": attach_q8_0x8_rows, "q8_0": attach_q8_0_rows,
+    return {"b16": attach_b16_rows, "i8": attach_i8_rows, "q8_0x8": attach_q8_0x8_rows, "q4_1x8": attach_q4_1x8_rows,
+            "q8_0": attach_q8_0_rows,
             "q4_1": attach_q4_1_rows, "f16": attach_f16_rows}[rows](params)

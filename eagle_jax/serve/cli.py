@@ -33,10 +33,10 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                         "builds)")
     p.add_argument("--draft-rows", default="auto", choices=DRAFT_ROWS,
                    help="with the CPU kernel: the draft head rounded to bfloat16 for AVX512-BF16 products (b16), "
-                        "to int8 for AVX512-VNNI products (i8), quantised to Q8_0 (q8_0x8: with int8 rows of x, as the "
-                        "target's int8 activations; q8_0: float32 rows) or to Q4_1 (smaller, faster, "
-                        "coarser drafts), or its float16 checkpoint values exactly; auto: i8 where the CPU has "
-                        "AVX512-VNNI, else b16 where it has AVX512-BF16, else q8_0x8 where it has AVX2, else q8_0 (the "
+                        "to int8 for AVX512-VNNI products (i8), quantised to Q4_1 or Q8_0 and multiplied by int8 rows "
+                        "of x as the target's int8 activations are (q4_1x8, q8_0x8) or by float32 rows (q4_1, q8_0), "
+                        "or its float16 checkpoint values exactly; auto: q4_1x8 where the CPU has AVX512-VNNI or "
+                        "AVX2, else b16 where it has AVX512-BF16, else q8_0 (the "
                         "output is the same whichever)")
     p.add_argument("--activations", default="auto", choices=ACTIVATIONS,
                    help="with the CPU kernel and a GGUF model: the target's few-row products on float32 rows of x "

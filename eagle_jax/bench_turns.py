@@ -1,0 +1,171 @@
+"""`python -m eagle_jax.bench turns`: settings of one speculative method compared in one process.
+
+    python -m eagle_jax.bench turns --method eagle3 --rows i8,q4_1x8 --trees 3/1/2,4/2/4 \
+        --prompts chat,code --limit 8 --rounds 3
+
+Process against process, this project's VMs drift more than most changes move (plain decoding
+137-180 tok/s on one VM kind within a day), so a comparison of draft-row kinds or trees runs
+them in one process: the target is loaded once, a head once per draft-row kind, and every prompt
+is decoded by plain decoding and by each setting (the cross product of --rows and --trees) in
+turns, the order reversed every other prompt, for --rounds rounds after one warm-up decode of
+each. Each setting's greedy tokens are checked against plain decoding's.
+
+A tree is N/D/K (total tokens, depth, top-k of a dynamic tree) or N/D/K/L (with a lookup chain of
+up to L tokens); `serve` is the tree serve runs (tuned on this device, else packaged). Rows are the
+Engine's `draft_rows` kinds (only the CPU kernel reads them; `auto` is this machine's default).
+After every round a line gives each setting's tokens/s over plain decoding's and its tau so far,
+per prompt set and pooled; the last stdout line is the JSON of the final figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Optional
+
+from .draft.drafting import TreeBudget
+
+
+def parse_tree(spec: str) -> Optional[TreeBudget]:
+    """"N/D/K" or "N/D/K/L" → a dynamic TreeBudget; "serve" → None (the tree serve would run)."""
+    if spec == "serve":
+        return None
+    parts = spec.split("/")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        nums = []
+    if len(nums) not in (3, 4):
+        raise ValueError(f"a tree is N/D/K or N/D/K/L (total tokens, depth, top-k, lookup) or 'serve', got {spec!r}")
+    return TreeBudget("dynamic", total_tokens=nums[0], depth=nums[1], top_k=nums[2],
+                      lookup=nums[3] if len(nums) == 4 else 0)
+
+
+def tree_label(b: TreeBudget) -> str:
+    return f"{b.total_tokens}/{b.depth}/{b.top_k}" + (f"/{b.lookup}" if b.lookup else "")
+
+
+def run_turns(engine, method: str, heads: dict, budgets: dict, prompts: list[tuple[str, list[int]]],
+              max_new_tokens: int, rounds: int, log=None) -> dict:
+    """Decode every (set, prompt ids) with plain decoding and each setting in turns, `rounds` times.
+
+    heads: {rows label: DraftHead}; budgets: {tree label: TreeBudget}; settings are their cross
+    product, labelled "rows tree". Returns {"settings": {label: {"tokens_per_s", "speedup", "tau",
+    "sets": {set: {...}}}}, "vanilla": {...}, "rounds": [...]}: totals over every round, speedup
+    = a setting's tokens/s over plain decoding's on the same prompts."""
+    settings = [(f"{r} {t}", r, t) for r in heads for t in budgets]
+    cache_len = engine.check_fits(max(len(ids) for _, ids in prompts), max_new_tokens)  # one shape for all
+    sets = list(dict.fromkeys(s for s, _ in prompts))
+    totals = {label: {s: [0.0, 0, 0] for s in sets} for label in ["vanilla"] + [x[0] for x in settings]}
+
+    def decode(label, ids):
+        if label == "vanilla":
+            return engine.generate_ids(ids, max_new_tokens, cache_len=cache_len, method="vanilla")
+        _, r, t = next(x for x in settings if x[0] == label)
+        engine.heads[method], engine.budgets[method] = heads[r], budgets[t]
+        return engine.generate_ids(ids, max_new_tokens, cache_len=cache_len, method=method)
+
+    order = ["vanilla"] + [x[0] for x in settings]
+    for label in order:  # compile and warm every program before anything is counted
+        decode(label, prompts[0][1])
+    history = []
+    for rnd in range(rounds):
+        for k, (s, ids) in enumerate(prompts):
+            gens = {label: decode(label, ids) for label in (order if (rnd + k) % 2 == 0 else order[::-1])}
+            for label, g in gens.items():
+                if g.tokens != gens["vanilla"].tokens:
+                    raise AssertionError(f"{label} decoded prompt {k} ({s}) differently from plain decoding")
+                t = totals[label][s]
+                t[0] += g.seconds
+                t[1] += g.new_tokens
+                t[2] += g.target_calls
+        history.append(_summary(totals, sets))
+        if log:
+            log(f"round {rnd + 1}/{rounds}: " + _line(history[-1]))
+    return history[-1] | {"rounds": history}
+
+
+def _figures(t: list, base: list) -> dict:
+    sec, tok, calls = t
+    tps = tok / sec if sec else 0.0
+    base_tps = base[1] / base[0] if base[0] else 0.0
+    return {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else None,
+            "tau": tok / calls if calls else None, "new_tokens": tok, "seconds": sec}
+
+
+def _summary(totals: dict, sets: list) -> dict:
+    pooled = {label: [sum(v[s][i] for s in sets) for i in range(3)] for label, v in totals.items()}
+    out = {}
+    for label, v in totals.items():
+        out[label] = _figures(pooled[label], pooled["vanilla"]) | {
+            "sets": {s: _figures(v[s], totals["vanilla"][s]) for s in sets}}
+    return {"vanilla": out.pop("vanilla"), "settings": out}
+
+
+def _line(summary: dict) -> str:
+    parts = [f"vanilla {summary['vanilla']['tokens_per_s']:.1f} tok/s"]
+    for label, f in summary["settings"].items():
+        per = ", ".join(f"{s} {g['speedup']:.3f}x tau {g['tau']:.3f}" for s, g in f["sets"].items())
+        parts.append(f"{label}: {f['speedup']:.3f}x tau {f['tau']:.3f} ({per})")
+    return " | ".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .serve.cli import add_kernel_arguments
+
+    p = argparse.ArgumentParser(prog="python -m eagle_jax.bench turns", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--method", default="eagle3", choices=("eagle2", "eagle3"))
+    p.add_argument("--drafter", default="default")
+    p.add_argument("--rows", default="auto", help="comma-separated draft-row kinds (Engine's draft_rows)")
+    p.add_argument("--trees", default="serve", help="comma-separated trees: N/D/K, N/D/K/L or serve")
+    p.add_argument("--prompts", default="chat,code")
+    p.add_argument("--limit", type=int, default=8, help="prompts per set")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_kernel_arguments(p)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .autotune import resolve_budget
+    from .bench import machine_info, resolve_prompt_sets
+    from .engine import Engine, parse_prefill_chunk
+    from .models.quantized import DRAFT_ROWS
+    from .serve.cli import read_prompts
+
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    try:
+        trees = {spec: parse_tree(spec) for spec in (t.strip() for t in args.trees.split(",")) if spec}
+        sets = resolve_prompt_sets(args.prompts)
+        if args.rounds < 1 or args.limit < 1 or not rows or not trees:
+            raise ValueError("need --rounds and --limit >= 1, and at least one row kind and one tree")
+        if bad := [r for r in rows if r not in DRAFT_ROWS]:
+            raise ValueError(f"unknown draft-row kind(s) {bad}; choose from {', '.join(DRAFT_ROWS)}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log = lambda s: print(f"[turns] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    engine = Engine(args.model, matmul=args.matmul, activations=args.activations,
+                    prefill_chunk=parse_prefill_chunk(args.prefill_chunk))
+    try:
+        heads = {r: engine.load_head(args.method, args.drafter, rows=r) for r in rows}
+    except (ValueError, RuntimeError) as e:  # a row kind this machine cannot run, a drafter that is not there
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    budgets = {}
+    for spec, b in trees.items():
+        b = b or resolve_budget(args.model, args.method, args.drafter, None, kernels=engine.kernel_tag)[0]
+        budgets[tree_label(b) + (" (serve)" if spec == "serve" else "")] = b
+    engine.add_method(args.method, next(iter(heads.values())), next(iter(budgets.values())))
+    prompts = [(name, engine.encode(p)) for name, path in sets for _, p in read_prompts(path)[: args.limit]]
+    log(f"{len(prompts)} prompts, {args.rounds} rounds, settings: rows {rows} x trees {list(budgets)}")
+    result = run_turns(engine, args.method, heads, budgets, prompts, args.max_new_tokens, args.rounds, log)
+    result["machine"] = machine_info()
+    result["args"] = vars(args)
+    result["budgets"] = {k: dataclasses.asdict(b) for k, b in budgets.items()}
+    print(json.dumps(result, default=str))
+    return 0
