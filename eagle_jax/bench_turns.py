@@ -27,6 +27,10 @@ from typing import Optional
 
 from .draft.drafting import TreeBudget
 
+# Every setting keeps its compiled program for the whole run; on XLA:CPU each of SmolLM2's holds
+# thousands of memory maps (`autotune.release_programs`), of the 65530 a Linux process may hold.
+MAX_SETTINGS = 12
+
 
 def parse_tree(spec: str) -> Optional[TreeBudget]:
     """"N/D/K" or "N/D/K/L" → a dynamic TreeBudget; "serve" → None (the tree serve would run)."""
@@ -143,6 +147,9 @@ def main(argv=None) -> int:
         sets = resolve_prompt_sets(args.prompts)
         if args.rounds < 1 or args.limit < 1 or not rows or not trees:
             raise ValueError("need --rounds and --limit >= 1, and at least one row kind and one tree")
+        if len(rows) * len(trees) > MAX_SETTINGS:
+            raise ValueError(f"{len(rows)} row kinds x {len(trees)} trees are more than {MAX_SETTINGS} settings "
+                             f"one process can hold compiled; split them over runs")
         if bad := [r for r in rows if r not in DRAFT_ROWS]:
             raise ValueError(f"unknown draft-row kind(s) {bad}; choose from {', '.join(DRAFT_ROWS)}")
     except ValueError as e:

@@ -69,3 +69,5 @@ def test_turns_cli_refuses_bad_settings_before_loading(capsys, monkeypatch):
     assert bench.main(["turns", "--rows", "q9"]) == 2
     assert "unknown draft-row kind" in capsys.readouterr().err
     assert bench.main(["turns", "--rounds", "0"]) == 2
+    assert bench.main(["turns", "--rows", "i8,q4_1x8,q8_0x8", "--trees", "2/0/1,3/1/2,4/1/2,4/2/4,5/3/2"]) == 2
+    assert "more than 12 settings" in capsys.readouterr().err
