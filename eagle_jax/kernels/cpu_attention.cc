@@ -487,10 +487,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   // the o_proj product after it (o_proj 26-30 us a layer against 13-15 with AVX2's kernels), and
   // taking the pool made plain decoding 10-12% faster (124 / 138 -> 137 / 154 tok/s, in turns).
   // EAGLE_JAX_CPU_ATTENTION_INLINE=1 brings the inline single query back (`one_query_inline`).
-  // Taking the pool also keeps its helper awake: a helper idle
-  // through a long inline attention wakes late for the o_proj product that follows, which then
-  // runs on one thread (a 5-token tree's o_proj took 61 µs a layer against 33 with the helper kept
-  // busy; a plain step of 4 rows 20.3-22.1 ms against 18.3-19.9; the 2-core Xeon VM, stop 48).
+  // A longer inline attention slows the product after it more (a 5-token tree's o_proj took 61 µs
+  // a layer against 33 with the helper kept busy; a plain step of 4 rows 20.3-22.1 ms against
+  // 18.3-19.9; the 2-core Xeon VM, stop 48), so trees take the pool on every CPU.
   // A tree's queries are cut into blocks so that every thread gets about two tasks: 3 KV heads
   // over 2 threads took two rounds of whole heads. With that and the 16-slot scores, a 5-token
   // tree's attention takes 22 µs a layer against 35 (the 2-core Xeon VM, stop 49).
