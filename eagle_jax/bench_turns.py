@@ -56,63 +56,48 @@ def run_turns(engine, method: str, heads: dict, budgets: dict, prompts: list[tup
     """Decode every (set, prompt ids) with plain decoding and each setting in turns, `rounds` times.
 
     heads: {rows label: DraftHead}; budgets: {tree label: TreeBudget}; settings are their cross
-    product, labelled "rows tree". Returns {"settings": {label: {"tokens_per_s", "speedup", "tau",
-    "sets": {set: {...}}}}, "vanilla": {...}, "rounds": [...]}: totals over every round, speedup
-    = a setting's tokens/s over plain decoding's on the same prompts."""
-    settings = [(f"{r} {t}", r, t) for r in heads for t in budgets]
+    product, labelled "rows tree". Returns {"vanilla": {...}, "settings": {label: {...,
+    "sets": {set: {...}}}}, "rounds": [...]}: `bench.summarize`'s figures (tokens_per_s, tau,
+    speedup_vs_vanilla, ...) over every round so far, pooled and per prompt set."""
+    from .bench import summarize
+
+    settings = {f"{r} {t}": (heads[r], budgets[t]) for r in heads for t in budgets}
     cache_len = engine.check_fits(max(len(ids) for _, ids in prompts), max_new_tokens)  # one shape for all
-    sets = list(dict.fromkeys(s for s, _ in prompts))
-    totals = {label: {s: [0.0, 0, 0] for s in sets} for label in ["vanilla"] + [x[0] for x in settings]}
 
     def decode(label, ids):
-        if label == "vanilla":
-            return engine.generate_ids(ids, max_new_tokens, cache_len=cache_len, method="vanilla")
-        _, r, t = next(x for x in settings if x[0] == label)
-        engine.heads[method], engine.budgets[method] = heads[r], budgets[t]
-        return engine.generate_ids(ids, max_new_tokens, cache_len=cache_len, method=method)
+        if label != "vanilla":
+            engine.heads[method], engine.budgets[method] = settings[label]
+        g = engine.generate_ids(ids, max_new_tokens, cache_len=cache_len,
+                                method="vanilla" if label == "vanilla" else method)
+        return {"tokens": g.tokens, "new_tokens": g.new_tokens, "target_calls": g.target_calls,
+                "seconds": g.seconds, "accept_lengths": g.accept_lengths}
 
-    order = ["vanilla"] + [x[0] for x in settings]
+    order = ["vanilla", *settings]
     for label in order:  # compile and warm every program before anything is counted
         decode(label, prompts[0][1])
+    rows = {s: {label: [] for label in order} for s, _ in prompts}  # {set: {label: [row, ...]}}
     history = []
     for rnd in range(rounds):
         for k, (s, ids) in enumerate(prompts):
-            gens = {label: decode(label, ids) for label in (order if (rnd + k) % 2 == 0 else order[::-1])}
-            for label, g in gens.items():
-                if g.tokens != gens["vanilla"].tokens:
+            got = {label: decode(label, ids) for label in (order if (rnd + k) % 2 == 0 else order[::-1])}
+            for label, row in got.items():
+                if row["tokens"] != got["vanilla"]["tokens"]:
                     raise AssertionError(f"{label} decoded prompt {k} ({s}) differently from plain decoding")
-                t = totals[label][s]
-                t[0] += g.seconds
-                t[1] += g.new_tokens
-                t[2] += g.target_calls
-        history.append(_summary(totals, sets))
+                rows[s][label].append(row)
+        pooled = summarize({label: [r for by_label in rows.values() for r in by_label[label]] for label in order})
+        per_set = {s: summarize(by_label) for s, by_label in rows.items()}
+        summary = {label: pooled[label] | {"sets": {s: per_set[s][label] for s in rows}} for label in order}
+        history.append({"vanilla": summary.pop("vanilla"), "settings": summary})
         if log:
             log(f"round {rnd + 1}/{rounds}: " + _line(history[-1]))
     return history[-1] | {"rounds": history}
 
 
-def _figures(t: list, base: list) -> dict:
-    sec, tok, calls = t
-    tps = tok / sec if sec else 0.0
-    base_tps = base[1] / base[0] if base[0] else 0.0
-    return {"tokens_per_s": tps, "speedup": tps / base_tps if base_tps else None,
-            "tau": tok / calls if calls else None, "new_tokens": tok, "seconds": sec}
-
-
-def _summary(totals: dict, sets: list) -> dict:
-    pooled = {label: [sum(v[s][i] for s in sets) for i in range(3)] for label, v in totals.items()}
-    out = {}
-    for label, v in totals.items():
-        out[label] = _figures(pooled[label], pooled["vanilla"]) | {
-            "sets": {s: _figures(v[s], totals["vanilla"][s]) for s in sets}}
-    return {"vanilla": out.pop("vanilla"), "settings": out}
-
-
 def _line(summary: dict) -> str:
     parts = [f"vanilla {summary['vanilla']['tokens_per_s']:.1f} tok/s"]
     for label, f in summary["settings"].items():
-        per = ", ".join(f"{s} {g['speedup']:.3f}x tau {g['tau']:.3f}" for s, g in f["sets"].items())
-        parts.append(f"{label}: {f['speedup']:.3f}x tau {f['tau']:.3f} ({per})")
+        per = ", ".join(f"{s} {g['speedup_vs_vanilla']:.3f}x tau {g['tau']:.3f}" for s, g in f["sets"].items())
+        parts.append(f"{label}: {f['speedup_vs_vanilla']:.3f}x tau {f['tau']:.3f} ({per})")
     return " | ".join(parts)
 
 
