@@ -251,6 +251,10 @@ def build_parser():
     p.add_argument("--auto-shapes", default=",".join(f"{d}:{k}" for d, k in DEFAULT_SHAPES),
                    help="tree shapes DEPTH:TOP_K that --total-tokens auto measures at the best size, "
                         "or 'none' (sizes only, with the default depth and top-k)")
+    p.add_argument("--auto-turns", type=int, default=2,
+                   help="rounds in which --total-tokens auto decodes the calibration prompts with its finalist "
+                        "trees and plain decoding in turns, the fastest finalist winning (0: the finalists' "
+                        "expected speedup decides)")
     p.add_argument("--save-budget", type=Path, default=None,
                    help="where --total-tokens auto writes the chosen budget (default: the cache path that "
                         "`serve --total-tokens auto` reads; with several tuned methods, METHOD is replaced)")
@@ -432,7 +436,7 @@ def autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_
                     else default_budget_path(args.model, m, args.drafter, engine.kernel_tag))
             out[m] = tune_and_save(engine, m, path, log=log, drafter=args.drafter, candidates=candidates,
                                    shapes=shapes, lookups=lookups, lookup_ngrams=lookup_ngrams,
-                                   max_new_tokens=args.max_new_tokens)
+                                   max_new_tokens=args.max_new_tokens, turns=args.auto_turns)
     return out
 
 
@@ -465,11 +469,12 @@ def full_markdown(result: dict) -> str:
         parts.append("time per speculative step\n\n" + "\n".join(lines))
     for m, rec in result.get("autotune", {}).items():
         lines = ["| tree tokens | depth | top-k | lookup | tau | step ms | plain step ms | expected speedup | "
-                 "expected tok/s | measured tok/s | measured speedup |", "|" + "---|" * 11]
+                 "expected tok/s | measured tok/s | measured speedup | in turns |", "|" + "---|" * 12]
         lines += [f"| {r['total_tokens']} | {r.get('depth', '')} | {r.get('top_k', '')} | {_chain(r)} | "
                   f"{r['tau']:.2f} | {r['step_ms']:.1f} | {_opt(r.get('plain_step_ms'), 1)} | "
                   f"{_opt(r.get('expected_speedup'), 2)} | {r['expected_tokens_per_s']:.1f} | "
-                  f"{r['measured_tokens_per_s']:.1f} | {r['measured_speedup']:.2f} |" for r in rec["candidates"]]
+                  f"{r['measured_tokens_per_s']:.1f} | {r['measured_speedup']:.2f} | "
+                  f"{_opt(r.get('turns_speedup'), 3)} |" for r in rec["candidates"]]
         b = rec["budget"]
         parts.append(f"autotune {m}: chose {b['total_tokens']} tree tokens (depth {b['depth']}, top-k {b['top_k']}, "
                      f"lookup {_chain(b)})"

@@ -52,17 +52,19 @@ def tree_label(b: TreeBudget) -> str:
 
 
 def run_turns(engine, method: str, heads: dict, budgets: dict, prompts: list[tuple[str, list[int]]],
-              max_new_tokens: int, rounds: int, log=None) -> dict:
+              max_new_tokens: int, rounds: int, log=None, cache_len: Optional[int] = None) -> dict:
     """Decode every (set, prompt ids) with plain decoding and each setting in turns, `rounds` times.
 
     heads: {rows label: DraftHead}; budgets: {tree label: TreeBudget}; settings are their cross
-    product, labelled "rows tree". Returns {"vanilla": {...}, "settings": {label: {...,
+    product, labelled "rows tree" (the tree's label alone where rows is ""). cache_len: the cache
+    shape every decode shares (default: the longest prompt's, `Engine.check_fits`). Returns {"vanilla": {...}, "settings": {label: {...,
     "sets": {set: {...}}}}, "rounds": [...]}: `bench.summarize`'s figures (tokens_per_s, tau,
     speedup_vs_vanilla, ...) over every round so far, pooled and per prompt set."""
     from .bench import summarize
 
-    settings = {f"{r} {t}": (heads[r], budgets[t]) for r in heads for t in budgets}
-    cache_len = engine.check_fits(max(len(ids) for _, ids in prompts), max_new_tokens)  # one shape for all
+    settings = {f"{r} {t}".strip(): (heads[r], budgets[t]) for r in heads for t in budgets}
+    if cache_len is None:  # one shape for all
+        cache_len = engine.check_fits(max(len(ids) for _, ids in prompts), max_new_tokens)
 
     def decode(label, ids):
         if label != "vanilla":
@@ -91,6 +93,22 @@ def run_turns(engine, method: str, heads: dict, budgets: dict, prompts: list[tup
         if log:
             log(f"round {rnd + 1}/{rounds}: " + _line(history[-1]))
     return history[-1] | {"rounds": history}
+
+
+def settle_in_turns(engine, method: str, budgets: dict, prompts: list[list[int]], max_new_tokens: int,
+                    rounds: int, cache_len: Optional[int] = None, log=None) -> dict:
+    """Autotuning's last word (`autotune.autotune_budget`): decode `prompts` with plain decoding and
+    with each tree of `budgets` ({label: TreeBudget}: the finalists) in turns, `rounds` rounds of
+    `run_turns` with the engine's head for `method`, and return {label: {"speedup_vs_vanilla",
+    "tokens_per_s", "tau", ...}} over all rounds; the engine's head and tree for `method` are left
+    as they were. A step profile times a step on one state; these are whole generations."""
+    head, kept = engine.heads[method], engine.budgets[method]
+    try:
+        got = run_turns(engine, method, {"": head}, budgets, [("calibration", ids) for ids in prompts],
+                        max_new_tokens, rounds, log, cache_len=cache_len)
+    finally:
+        engine.heads[method], engine.budgets[method] = head, kept
+    return {label: got["settings"][label] for label in budgets}
 
 
 def _line(summary: dict) -> str:

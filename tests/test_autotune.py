@@ -162,8 +162,11 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
             monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda isa=isa: isa)
             packaged = load_budget(budgets / f"smollm2-135m-instruct.{m}.default.{suffix}.json", m)
             assert resolve_budget("smollm2-135m-instruct", m, "default", None)[0] == packaged
-        assert load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu-avx2.json") != \
-            load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu.json")
+    # files that differ, so that the checks above tell them apart (eagle3's trees are the same since
+    # stop 77: 3 tokens, depth 1, top-k 2, tuned on each kind of CPU)
+    assert [m for m in ("eagle1", "eagle2", "eagle3")
+            if load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu-avx2.json")
+            != load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu.json")] == ["eagle1", "eagle2"]
     monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda: "neon")  # no file for that kernel build: the CPU one
     assert resolve_budget("smollm2-135m-instruct", "eagle2", "default", None)[0] == \
         load_budget(budgets / "smollm2-135m-instruct.eagle2.default.cpu.json", "eagle2")
@@ -234,10 +237,54 @@ def test_autotune_sizes_eagle1s_static_tree(tiny_hf_dir, monkeypatch):
     for r in rec["candidates"]:  # one at a time, so that a failure says which
         assert r["kind"] == "static" and r["tau"] >= 1, r
         assert r["step_ms"] > 0 and r["plain_step_ms"] > 0, r  # no cost lost in the noise (step_profile)
-    best = max(rec["candidates"], key=lambda r: r["expected_speedup"])
+    assert all(len(r["step_over_plain_runs"]) == 2 for r in rec["candidates"])  # both finalists timed again
+    assert all(r["turns_speedup"] > 0 and r["turns_tokens_per_s"] > 0 for r in rec["candidates"])  # then decoded
+    best = max(rec["candidates"], key=lambda r: r["turns_speedup"])  # the faster in turns wins
     assert rec["budget"] == {k: best[k] for k in rec["budget"]} and rec["budget"]["paths"] == best["paths"]
     assert engine.budgets["eagle1"].static_tree == static_tree_of_size(best["total_tokens"])
-    assert all(len(r["step_over_plain_runs"]) == 2 for r in rec["candidates"])  # both finalists timed again
+
+
+@pytest.mark.parametrize("turns", [2, 0])
+def test_finalists_decoded_in_turns_decide(tiny_hf_dir, monkeypatch, turns):
+    """The finalists decode the prompts in turns with plain decoding and the fastest wins, whatever
+    their expected speedups said (here the turns favour the finalist the profile ranked last);
+    turns=0 leaves the choice to the expected speedup. The engine keeps its head."""
+    from eagle_jax import autotune, bench_turns
+
+    engine = Engine(str(tiny_hf_dir), method="eagle3", drafter="random", progress=False)
+    head = engine.heads["eagle3"]
+    prompts = [engine.encode("w5 w6"), engine.encode("w7")]
+    calls, seen = [], {}
+    real_settle = autotune._settle
+
+    def spy(engine_, method, rows, *a):  # the rows as the search left them, for the fake below
+        seen["rows"] = rows
+        return real_settle(engine_, method, rows, *a)
+
+    def settle(eng, method, budgets, ids, max_new, rounds, cache_len=None, log=None):
+        calls.append((method, len(budgets), len(ids), max_new, rounds))
+        row = lambda label: seen["rows"][int(label.split()[0][1:])]  # labels are "#<row index> <tree>"
+        last = min(budgets, key=lambda label: row(label)["expected_speedup"])
+        return {label: {"speedup_vs_vanilla": 1.5 if label == last else 1.1, "tokens_per_s": 9.0} for label in budgets}
+
+    monkeypatch.setattr(bench_turns, "settle_in_turns", settle)
+    monkeypatch.setattr(autotune, "_settle", spy)
+    rec = autotune.autotune_budget(engine, "eagle3", prompts, candidates=(2, 3), shapes=(), lookups=(),
+                                   lookup_ngrams=(), max_new_tokens=4, reps=1, confirm=2, turns=turns)
+    rows = rec["candidates"]
+    finalists = [r for r in rows if "step_over_plain_runs" in r]
+    assert len(finalists) == 2 and engine.heads["eagle3"] is head
+    shape = lambda r: (r["total_tokens"], r["depth"], r["top_k"])
+    if turns:
+        assert calls == [("eagle3", 2, 2, 4, 2)]
+        worst = min(finalists, key=lambda r: r["expected_speedup"])
+        assert shape(rec["budget"]) == shape(worst) and worst["turns_speedup"] == 1.5
+        assert sorted(r["turns_speedup"] for r in finalists) == [1.1, 1.5]
+    else:
+        assert calls == [] and not any("turns_speedup" in r for r in rows)
+        assert shape(rec["budget"]) == shape(max(finalists, key=lambda r: r["expected_speedup"]))
+    b = engine.budgets["eagle3"]
+    assert (b.total_tokens, b.depth, b.top_k) == shape(rec["budget"])
 
 
 def test_finalists_timed_again_choose_by_both_timings():
