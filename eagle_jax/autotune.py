@@ -35,10 +35,10 @@ it measured 114.7 tok/s on the calibration prompts against 123.6 for the runner-
 finalists and plain decoding decode the calibration prompts in turns (`turns` rounds, each prompt
 by every setting back to back: `bench_turns.settle_in_turns`), and the fastest finalist wins: the
 profile times one state's steps, and its ranking of close trees changed from run to run on the
-Zen 3 VM at stop 77 (`_settle`). Plain decoding is also timed on the same
-prompts before the search, so every candidate gets a measured speedup (same run, same prompts;
-measured one after another, so a drifting machine moves it). The result is a small JSON config (`save_budget` / `load_budget`) that
-`python -m eagle_jax.serve --budget-config FILE` uses;
+Zen 3 VM at stop 77 (`_settle`). Plain decoding is also timed on the same prompts before the
+search, so every candidate gets a measured speedup (same run, same prompts; measured one after
+another, so a drifting machine moves it). The result is a small JSON config (`save_budget` /
+`load_budget`) that `python -m eagle_jax.serve --budget-config FILE` uses;
 `python -m eagle_jax.bench --total-tokens auto` writes it, by default to
 `~/.cache/eagle_jax/budgets/<model>.<method>.<drafter>.<device>.json`, where serve and the CLI
 find it by themselves (no tree flags, or `--total-tokens auto`, which tunes when nothing is saved);

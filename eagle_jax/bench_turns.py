@@ -57,9 +57,10 @@ def run_turns(engine, method: str, heads: dict, budgets: dict, prompts: list[tup
 
     heads: {rows label: DraftHead}; budgets: {tree label: TreeBudget}; settings are their cross
     product, labelled "rows tree" (the tree's label alone where rows is ""). cache_len: the cache
-    shape every decode shares (default: the longest prompt's, `Engine.check_fits`). Returns {"vanilla": {...}, "settings": {label: {...,
-    "sets": {set: {...}}}}, "rounds": [...]}: `bench.summarize`'s figures (tokens_per_s, tau,
-    speedup_vs_vanilla, ...) over every round so far, pooled and per prompt set."""
+    shape every decode shares (default: the longest prompt's, `Engine.check_fits`). Returns
+    {"vanilla": {...}, "settings": {label: {..., "sets": {set: {...}}}}, "rounds": [...]}:
+    `bench.summarize`'s figures (tokens_per_s, tau, speedup_vs_vanilla, ...) over every round so
+    far, pooled and per prompt set."""
     from .bench import summarize
 
     settings = {f"{r} {t}".strip(): (heads[r], budgets[t]) for r in heads for t in budgets}
