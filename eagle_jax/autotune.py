@@ -66,6 +66,7 @@ DEFAULT_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (3, 4), (5, 4), (5, 8)
 DEFAULT_LOOKUPS = (0, 2, 3, 4, 6)  # prompt-lookup chain lengths
 DEFAULT_LOOKUP_NGRAMS = (1, 2, 3)  # the shortest n-gram a chain may be found by
 RANK_KEY = "expected_speedup"  # tau ÷ (step ms ÷ plain step ms), the ratio per pair of runs side by side
+TURNS_TIE = 0.01  # finalists this close in turns (relative) are a tie, which the cheaper tree takes
 
 
 def budget_dir() -> Path:
@@ -393,7 +394,28 @@ def _settle(engine, method, rows, budgets, finalists, prompts, max_new_tokens, r
         rows[i]["turns_tokens_per_s"] = got[label(i)]["tokens_per_s"]
         say(f"autotune {method}: in turns {describe_budget(budgets[i])}: {rows[i]['turns_speedup']:.3f}x plain "
             f"decoding (expected {rows[i][RANK_KEY]:.2f}x)")
-    return max(finalists, key=lambda i: rows[i]["turns_speedup"])
+    pick = pick_in_turns(rows, budgets, finalists)
+    fastest = max(finalists, key=lambda i: rows[i]["turns_speedup"])
+    if pick != fastest:
+        say(f"autotune {method}: {describe_budget(budgets[pick])} is within {TURNS_TIE:.0%} of the fastest "
+            f"({describe_budget(budgets[fastest])}) and computes less: a tie, the cheaper tree wins")
+    return pick
+
+
+def draft_cost(b: TreeBudget) -> tuple:
+    """Orders trees by what a step computes: the rows verified (a static tree's chain adds rows),
+    then the head's passes (depth) and rows (top-k), then the prompt-lookup chain."""
+    rows = b.total_tokens + (b.lookup if b.kind == "static" else 0)
+    return (rows, b.depth, b.top_k, b.lookup)
+
+
+def pick_in_turns(rows, budgets, finalists, tie: float = TURNS_TIE) -> int:
+    """The fastest finalist in turns, or, among the finalists within `tie` (relative) of it, the one
+    that computes least (`draft_cost`): at stop 77 3 tokens, depth 1, top-k 3 won by 0.3% over the
+    same tree drafted with top-k 2 (the same tau), and on the held-out prompts it was the slower."""
+    best = max(rows[i]["turns_speedup"] for i in finalists)
+    close = [i for i in finalists if rows[i]["turns_speedup"] >= best * (1.0 - tie)]
+    return min(close, key=lambda i: (draft_cost(budgets[i]), -rows[i]["turns_speedup"]))
 
 
 def save_budget(record: dict, path: Path) -> Path:

@@ -287,6 +287,26 @@ def test_finalists_decoded_in_turns_decide(tiny_hf_dir, monkeypatch, turns):
     assert (b.total_tokens, b.depth, b.top_k) == shape(rec["budget"])
 
 
+@pytest.mark.parametrize("second,pick", [(1.154, 2), (1.140, 1)])
+def test_turns_tie_goes_to_the_cheaper_tree(second, pick):
+    """Finalists within TURNS_TIE of the fastest in turns are a tie, taken by the tree that computes
+    least (stop 77: 3/1/3 at 1.158x against the same tree drafted with top-k 2 at 1.154x); outside
+    it the fastest wins. A static tree's chain counts as rows."""
+    from eagle_jax.autotune import draft_cost, pick_in_turns
+    from eagle_jax.draft.drafting import TreeBudget
+
+    budgets = [TreeBudget(total_tokens=2, depth=0, top_k=1), TreeBudget(total_tokens=3, depth=1, top_k=3),
+               TreeBudget(total_tokens=3, depth=1, top_k=2)]
+    rows = [{"turns_speedup": 1.128}, {"turns_speedup": 1.158}, {"turns_speedup": second}]
+    assert pick_in_turns(rows, budgets, [0, 1, 2]) == pick
+    assert pick_in_turns(rows, budgets, [0, 1, 2], tie=0.0) == 1
+    assert pick_in_turns(rows, budgets, [0, 1, 2], tie=0.05) == 0  # all three tie: the 2-token tree
+    from eagle_jax.tree import StaticTree
+
+    chain = TreeBudget("static", static_tree=StaticTree.from_json([[0]]), lookup=2)
+    assert draft_cost(chain) > draft_cost(TreeBudget(total_tokens=2, depth=0, top_k=1))
+
+
 def test_finalists_timed_again_choose_by_both_timings():
     """The winner's curse: a tree whose one timing came out low (its plain steps slow) leads the search;
     timed again, the mean of its two ratios ranks it below the runner-up, which wins. Rows outside the
