@@ -10,8 +10,11 @@ is decoded by plain decoding and by each setting (the cross product of --rows an
 turns, the order reversed every other prompt, for --rounds rounds after one warm-up decode of
 each. Each setting's greedy tokens are checked against plain decoding's.
 
-A tree is N/D/K (total tokens, depth, top-k of a dynamic tree) or N/D/K/L (with a lookup chain of
-up to L tokens); `serve` is the tree serve runs (tuned on this device, else packaged). Rows are the
+A tree is N/D/K (total tokens, depth, top-k of a dynamic tree: eagle2, eagle3) or N/D/K/L (with a
+lookup chain of up to L tokens); sN or sN/L the static tree of N nodes (eagle1:
+`tree.static_tree_of_size`, with a chain of up to L); a path ending in .json a saved tree budget
+(an autotune record, `autotune.load_budget`); `serve` the tree serve runs (tuned on this device,
+else packaged). Rows are the
 Engine's `draft_rows` kinds (only the CPU kernel reads them; `auto` is this machine's default).
 After every round a line gives each setting's tokens/s over plain decoding's and its tau so far,
 per prompt set and pooled; the last stdout line is the JSON of the final figures.
@@ -23,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 from .draft.drafting import TreeBudget
@@ -32,23 +36,44 @@ from .draft.drafting import TreeBudget
 MAX_SETTINGS = 12
 
 
-def parse_tree(spec: str) -> Optional[TreeBudget]:
-    """"N/D/K" or "N/D/K/L" → a dynamic TreeBudget; "serve" → None (the tree serve would run)."""
+def parse_tree(spec: str, method: str = "eagle3") -> Optional[TreeBudget]:
+    """"N/D/K" or "N/D/K/L" → a dynamic TreeBudget (eagle2, eagle3); "sN" or "sN/L" → the static
+    tree of N nodes (eagle1); "PATH.json" → the budget saved there; "serve" → None (the tree serve
+    would run). A tree of the other kind than `method` drafts is refused."""
     if spec == "serve":
         return None
-    parts = spec.split("/")
-    try:
-        nums = [int(p) for p in parts]
-    except ValueError:
-        nums = []
-    if len(nums) not in (3, 4):
-        raise ValueError(f"a tree is N/D/K or N/D/K/L (total tokens, depth, top-k, lookup) or 'serve', got {spec!r}")
-    return TreeBudget("dynamic", total_tokens=nums[0], depth=nums[1], top_k=nums[2],
-                      lookup=nums[3] if len(nums) == 4 else 0)
+    if spec.endswith(".json"):
+        from .autotune import load_budget
+
+        b = load_budget(spec, method)
+    else:
+        static = spec.startswith("s")
+        try:
+            nums = [int(p) for p in spec[static:].split("/")]
+        except ValueError:
+            nums = []
+        if len(nums) not in ((1, 2) if static else (3, 4)):
+            raise ValueError(f"a tree is N/D/K or N/D/K/L (total tokens, depth, top-k, lookup), sN or sN/L (a static "
+                             f"tree of N nodes), a budget .json or 'serve', got {spec!r}")
+        lookup = nums[-1] if len(nums) in (2, 4) else 0
+        if static:
+            from .tree import static_tree_of_size
+
+            b = TreeBudget("static", static_tree=static_tree_of_size(nums[0]), lookup=lookup)
+        else:
+            b = TreeBudget("dynamic", total_tokens=nums[0], depth=nums[1], top_k=nums[2], lookup=lookup)
+    want = "static" if method == "eagle1" else "dynamic"
+    if b.kind != want:
+        raise ValueError(f"{method} drafts {want} trees ({'sN or sN/L' if want == 'static' else 'N/D/K or N/D/K/L'}), "
+                         f"got the {b.kind} tree {spec!r}")
+    return b
 
 
 def tree_label(b: TreeBudget) -> str:
-    return f"{b.total_tokens}/{b.depth}/{b.top_k}" + (f"/{b.lookup}" if b.lookup else "")
+    chain = f"/{b.lookup}" if b.lookup else ""
+    if b.kind == "static":
+        return f"s{b.total_tokens}{chain}"
+    return f"{b.total_tokens}/{b.depth}/{b.top_k}{chain}"
 
 
 def run_turns(engine, method: str, heads: dict, budgets: dict, prompts: list[tuple[str, list[int]]],
@@ -125,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m eagle_jax.bench turns", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--method", default="eagle3", choices=("eagle2", "eagle3"))
+    p.add_argument("--method", default="eagle3", choices=("eagle1", "eagle2", "eagle3"))
     p.add_argument("--drafter", default="default")
     p.add_argument("--rows", default="auto", help="comma-separated draft-row kinds (Engine's draft_rows)")
-    p.add_argument("--trees", default="serve", help="comma-separated trees: N/D/K, N/D/K/L or serve")
+    p.add_argument("--trees", default="serve",
+                   help="comma-separated trees: N/D/K or N/D/K/L (eagle2, eagle3), sN or sN/L (eagle1), "
+                        "a budget .json, or serve")
     p.add_argument("--prompts", default="chat,code")
     p.add_argument("--limit", type=int, default=8, help="prompts per set")
     p.add_argument("--rounds", type=int, default=3)
@@ -147,7 +174,7 @@ def main(argv=None) -> int:
 
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     try:
-        trees = {spec: parse_tree(spec) for spec in (t.strip() for t in args.trees.split(",")) if spec}
+        trees = {spec: parse_tree(spec, args.method) for spec in (t.strip() for t in args.trees.split(",")) if spec}
         sets = resolve_prompt_sets(args.prompts)
         if args.rounds < 1 or args.limit < 1 or not rows or not trees:
             raise ValueError("need --rounds and --limit >= 1, and at least one row kind and one tree")
@@ -170,7 +197,8 @@ def main(argv=None) -> int:
     budgets = {}
     for spec, b in trees.items():
         b = b or resolve_budget(args.model, args.method, args.drafter, None, kernels=engine.kernel_tag)[0]
-        budgets[tree_label(b) + (" (serve)" if spec == "serve" else "")] = b
+        budgets[tree_label(b) + (" (serve)" if spec == "serve" else f" ({Path(spec).name})" if spec.endswith(".json")
+                                 else "")] = b
     engine.add_method(args.method, next(iter(heads.values())), next(iter(budgets.values())))
     prompts = [(name, engine.encode(p)) for name, path in sets for _, p in read_prompts(path)[: args.limit]]
     log(f"{len(prompts)} prompts, {args.rounds} rounds, settings: rows {rows} x trees {list(budgets)}")

@@ -20,6 +20,43 @@ def test_parse_tree():
         bench_turns.parse_tree("40/1/2")  # more than the shape can hold
 
 
+def test_parse_static_and_saved_trees(tmp_path):
+    import json
+
+    from eagle_jax.autotune import budget_fields
+    from eagle_jax.tree import static_tree_of_size
+
+    b = bench_turns.parse_tree("s3", "eagle1")
+    assert (b.kind, b.static_tree, b.lookup) == ("static", static_tree_of_size(3), 0)
+    assert bench_turns.tree_label(bench_turns.parse_tree("s2/2", "eagle1")) == "s2/2"
+    assert bench_turns.tree_label(b) == "s3" != bench_turns.tree_label(bench_turns.parse_tree("3/1/2"))
+    with pytest.raises(ValueError, match="eagle1 drafts static trees"):
+        bench_turns.parse_tree("3/1/2", "eagle1")
+    with pytest.raises(ValueError, match="eagle2 drafts dynamic trees"):
+        bench_turns.parse_tree("s3", "eagle2")
+    for bad in ("s", "s2/1/1", "sx"):
+        with pytest.raises(ValueError, match="sN or sN/L"):
+            bench_turns.parse_tree(bad, "eagle1")
+    saved = TreeBudget("static", static_tree=static_tree_of_size(4), lookup=2)
+    (tmp_path / "t.json").write_text(json.dumps({"method": "eagle1", "budget": budget_fields(saved)}))
+    assert bench_turns.parse_tree(str(tmp_path / "t.json"), "eagle1") == saved
+    with pytest.raises(ValueError, match="tuned for eagle1, not eagle2"):
+        bench_turns.parse_tree(str(tmp_path / "t.json"), "eagle2")
+
+
+def test_turns_run_eagle1_static_trees(tiny_hf_dir):
+    engine = Engine(str(tiny_hf_dir), progress=False)
+    heads = {"": engine.load_head("eagle1", "oracle")}
+    budgets = {label: bench_turns.parse_tree(label, "eagle1") for label in ("s2", "s4/2")}
+    prompts = [("a", engine.encode("w5 w6")), ("b", engine.encode("w8 w9 w10"))]
+    res = bench_turns.run_turns(engine, "eagle1", heads, budgets, prompts, max_new_tokens=9, rounds=1)
+    assert list(res["settings"]) == ["s2", "s4/2"]
+    for f in res["settings"].values():
+        assert f["new_tokens"] == res["vanilla"]["new_tokens"] and f["same_tokens_as_vanilla"] == "2/2"
+    # the oracle accepts every drafted token: 1 a step from s2, up to 2 from s4 (depth 2) or its chain
+    assert res["settings"]["s4/2"]["tau"] > res["settings"]["s2"]["tau"] > 1.0
+
+
 def test_turns_count_every_round_and_check_every_setting(tiny_hf_dir, monkeypatch):
     engine = Engine(str(tiny_hf_dir), progress=False)
     heads = {"random": engine.load_head("eagle3", "random"), "oracle": engine.load_head("eagle3", "oracle")}
@@ -66,6 +103,8 @@ def test_turns_cli_refuses_bad_settings_before_loading(capsys, monkeypatch):
     monkeypatch.setattr("eagle_jax.engine.Engine.__init__", lambda *a, **k: pytest.fail("loaded a model"))
     assert bench.main(["turns", "--trees", "3/1"]) == 2
     assert "N/D/K" in capsys.readouterr().err
+    assert bench.main(["turns", "--method", "eagle1", "--trees", "3/1/2"]) == 2
+    assert "eagle1 drafts static trees" in capsys.readouterr().err
     assert bench.main(["turns", "--rows", "q9"]) == 2
     assert "unknown draft-row kind" in capsys.readouterr().err
     assert bench.main(["turns", "--rounds", "0"]) == 2
