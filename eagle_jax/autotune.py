@@ -114,18 +114,23 @@ def default_budget_path(model: str, method: str, drafter: str, kernels: str = ""
 
 
 def packaged_budget_path(model: str, method: str, drafter: str) -> Path:
-    """A budget tuned for this platform (cpu / gpu / tpu) that ships with eagle_jax, if any. On a CPU
-    for which the matmul kernel builds its AVX2 kernels (`cpu_matmul.cpu_isa()`), where each tree
-    token costs more than with AVX-512, one tuned on an AVX2 CPU (`.cpu-avx2.json`) where it ships."""
+    """A budget tuned for this platform (cpu / gpu / tpu) that ships with eagle_jax, if any. On a CPU,
+    first one tuned for its instruction set and core (`.cpu-avx512-zen5.json`: on Zen 5, whose
+    512-bit vectors run whole, a verified row costs less than on Zen 4) where it ships; then, for
+    the AVX2 kernels (`cpu_matmul.cpu_isa()`), where each tree token costs more than with AVX-512,
+    one tuned on an AVX2 CPU (`.cpu-avx2.json`); else the CPU's (`.cpu.json`, tuned with AVX-512)."""
     base = Path(__file__).parent / "assets" / "budgets"
     stem = f"{Path(str(model)).name}.{method}.{Path(str(drafter)).name}"
     platform = jax.devices()[0].platform
     if platform == "cpu":
         from .kernels import cpu_matmul
 
-        isa = cpu_matmul.cpu_isa_or_none()
-        if isa not in (None, "avx512") and (base / f"{stem}.cpu-{isa}.json").exists():
-            return base / f"{stem}.cpu-{isa}.json"
+        isa, core = cpu_matmul.cpu_isa_or_none(), cpu_matmul.cpu_core()
+        names = ([f"{stem}.cpu-{isa}-{core}.json"] if isa and core else []) + (
+            [f"{stem}.cpu-{isa}.json"] if isa not in (None, "avx512") else [])
+        for name in names:
+            if (base / name).exists():
+                return base / name
     return base / f"{stem}.{platform}.json"
 
 

@@ -158,16 +158,24 @@ def test_budget_flags_are_checked(tmp_path, monkeypatch):
 
     budgets = Path(eagle_jax.__file__).parent / "assets" / "budgets"
     for m in ("eagle1", "eagle2", "eagle3"):
-        for isa, suffix in [("avx512", "cpu"), ("avx2", "cpu-avx2")]:
+        for isa, core, suffix in [("avx512", None, "cpu"), ("avx2", None, "cpu-avx2"),
+                                  ("avx2", "zen3", "cpu-avx2"), ("avx512", "zen4", "cpu"),
+                                  ("avx512", "zen5", "cpu-avx512-zen5" if m == "eagle3" else "cpu"),
+                                  ("avx2", "zen5", "cpu-avx2")]:
             monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda isa=isa: isa)
+            monkeypatch.setattr(cpu_matmul, "cpu_core", lambda core=core: core)
             packaged = load_budget(budgets / f"smollm2-135m-instruct.{m}.default.{suffix}.json", m)
             assert resolve_budget("smollm2-135m-instruct", m, "default", None)[0] == packaged
+    # Zen 5's EAGLE-3 tree is larger than the one tuned on Zen 4 (which the check above tells apart)
+    assert load_budget(budgets / "smollm2-135m-instruct.eagle3.default.cpu-avx512-zen5.json").total_tokens \
+        > load_budget(budgets / "smollm2-135m-instruct.eagle3.default.cpu.json").total_tokens
     # files that differ, so that the checks above tell them apart (eagle3's trees are the same since
     # stop 77, 3 tokens, depth 1, top-k 2, and eagle2's since stop 78, 2 tokens, tuned on each kind of CPU)
     assert [m for m in ("eagle1", "eagle2", "eagle3")
             if load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu-avx2.json")
             != load_budget(budgets / f"smollm2-135m-instruct.{m}.default.cpu.json")] == ["eagle1"]
     monkeypatch.setattr(cpu_matmul, "cpu_isa", lambda: "neon")  # no file for that kernel build: the CPU one
+    monkeypatch.setattr(cpu_matmul, "cpu_core", lambda: None)
     assert resolve_budget("smollm2-135m-instruct", "eagle2", "default", None)[0] == \
         load_budget(budgets / "smollm2-135m-instruct.eagle2.default.cpu.json", "eagle2")
     assert resolve_budget("smollm2-135m-instruct", "eagle3", "default", 24)[0].total_tokens == 24
@@ -331,3 +339,15 @@ def test_finalists_timed_again_choose_by_both_timings():
     rows[3]["expected_speedup"] = 0.0
     assert confirm_finalists(rows[:3], lambda i: {"step_over_plain": 1.5, "step_ms": 1, "plain_ms": 1}, 2) == 1
     assert confirm_finalists(rows[:1], lambda i: 1 / 0, 3) == 0  # one row: nothing timed again
+
+
+def test_cpu_core_names_the_amd_cores_that_packaged_budgets_are_tuned_for():
+    from eagle_jax.kernels.cpu_matmul import cpu_core
+
+    assert cpu_core(("AuthenticAMD", 26, 2)) == "zen5"  # family 1Ah, the stop-80 VM
+    assert cpu_core(("AuthenticAMD", 25, 1)) == "zen3"  # Milan
+    assert cpu_core(("AuthenticAMD", 25, 17)) == "zen4"  # Genoa
+    assert cpu_core(("AuthenticAMD", 25, 0x61)) == "zen4"  # Raphael
+    assert cpu_core(("AuthenticAMD", 25, 0x50)) == "zen3"  # Cezanne
+    assert cpu_core(("AuthenticAMD", 23, 49)) is None  # Zen 2: no budget of its own
+    assert cpu_core(("GenuineIntel", 6, 207)) is None

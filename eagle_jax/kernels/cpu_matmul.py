@@ -74,6 +74,42 @@ def _cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def _cpu_id() -> tuple[str, int, int] | None:
+    """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, or None off Linux/x86-64."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields: dict = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    try:
+        return fields["vendor_id"], int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return None
+
+
+def cpu_core(cpu_id: tuple[str, int, int] | None = None) -> str | None:
+    """The AMD core this CPU is built on ("zen3", "zen4", "zen5"), None for any other CPU: cores
+    with one instruction set can want different trees (Zen 4 runs 512-bit vectors in two halves, Zen
+    5 whole), so a packaged budget may be tuned for one core (`autotune.packaged_budget_path`).
+    Family 25 (19h) is Zen 3 or Zen 4 by model; family 26 (1Ah) is Zen 5."""
+    vendor, family, model = cpu_id or _cpu_id() or ("", 0, 0)
+    if vendor != "AuthenticAMD":
+        return None
+    if family == 26:
+        return "zen5"
+    if family == 25:
+        zen4 = (0x10, 0x1F), (0x60, 0x7F), (0xA0, 0xAF)
+        return "zen4" if any(lo <= model <= hi for lo, hi in zen4) else "zen3"
+    return None
+
+
 def cpu_isa() -> str:
     """The kernels' instruction set for this CPU ("avx512" or "avx2"); raises when it has neither.
     `EAGLE_JAX_CPU_KERNEL_ISA=avx2` picks AVX2 on an AVX-512 CPU."""
