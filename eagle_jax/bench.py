@@ -99,21 +99,12 @@ def machine_info() -> dict:
 
     from .kernels import cpu_matmul
 
-    cpu = platform.processor() or platform.machine()
-    fields = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-            if not line.strip():
-                break
-        cpu = fields.get("model name", cpu)
-    except OSError:
-        pass
+    fields = cpu_matmul.cpu_fields()
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
     isa = cpu_matmul.cpu_isa_or_none()  # what the CPU kernels build for ("avx512", "avx2"), None without
     return {"platform": platform.platform(), "cpu": cpu, "cpu_family_model": f"{fields.get('cpu family', '?')}/"
-            f"{fields.get('model', '?')}", "cpu_isa": isa, "cpu_kernel_prefetch": cpu_matmul._state.get("prefetch"),
+            f"{fields.get('model', '?')}", "cpu_isa": isa, "cpu_core": cpu_matmul.cpu_core(),
+            "cpu_kernel_prefetch": cpu_matmul._state.get("prefetch"),
             "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),  # e.g. the backend level
             "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
             "jax_devices": [str(d) for d in jax.devices()]}

@@ -108,6 +108,7 @@ def test_cli_json_last_line(tiny_hf_dir, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert set(out) >= {"methods", "machine"} and out["methods"]["vanilla"]["prompts"] == 2
     assert out["machine"]["cpu_isa"] in (None, "avx512", "avx2") and "cpu_family_model" in out["machine"]
+    assert out["machine"]["cpu_core"] in (None, "zen3", "zen4", "zen5")
     assert out["machine"]["cpu_kernel_prefetch"] in (None, True, False)
     assert out["machine"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")  # the tests' backend level, say
     assert {"tokens_per_s", "tau", "new_tokens", "seconds"} <= set(out["methods"]["vanilla"])

@@ -63,31 +63,31 @@ KEEP_BUILDS = 4  # built libraries kept in the kernels' cache, most recently use
 _state: dict = {}
 
 
-def _cpu_flags() -> set[str]:
+def cpu_fields() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("vendor_id", "cpu family", "model", "flags", ...);
+    {} off Linux/x86-64."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return set()
+        return {}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
-def _cpu_id() -> tuple[str, int, int] | None:
-    """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, or None off Linux/x86-64."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
+        return {}
     fields: dict = {}
     for line in text.splitlines():
         if not line.strip():
             break
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _cpu_flags() -> set[str]:
+    return set(cpu_fields().get("flags", "").split())
+
+
+def _cpu_id() -> tuple[str, int, int] | None:
+    """(vendor_id, cpu family, model) of the first CPU, or None where /proc/cpuinfo lacks them."""
+    fields = cpu_fields()
     try:
         return fields["vendor_id"], int(fields["cpu family"]), int(fields["model"])
     except (KeyError, ValueError):
