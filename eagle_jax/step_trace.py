@@ -22,6 +22,7 @@ time is measured on its own, without the profiler.
 
     python -m eagle_jax.bench trace --steps 20
     python -m eagle_jax.bench trace --method eagle3 --json
+    python -m eagle_jax.bench trace --method eagle3 --tree 8/3/4   # a tree other than serve's
 
 The profiler adds its own cost to every event, which dwarfs the smallest operations: at stop 59 a
 trace put 1.5 ms of an EAGLE-3 step in the `while` loops of its 60 KV-cache scatters, yet writing
@@ -126,6 +127,7 @@ def trace_method(engine, method: str, prompt_ids: list[int], steps: int, by_scop
     """Wall time a step (no profiler) and `summarize` of a traced run of `steps` steps of `method`
     ("vanilla" or one set up on `engine`) after `prompt_ids`' prefill; `by_scope` compiles the
     program's text once more (from XLA's cache) for the name scopes."""
+    from .bench_turns import tree_label
     from .decoding import decode_advance, decode_start
     from .speculative import spec_advance, spec_start
 
@@ -151,12 +153,14 @@ def trace_method(engine, method: str, prompt_ids: list[int], steps: int, by_scop
         events = traced_events(lambda: advance(states.pop()), d)
     scopes = hlo_scopes(call(program.lower, start).compile().as_text()) if by_scope else None
     out = summarize(events, steps, scopes=scopes)
-    return {"method": method, "steps": steps, "wall_ms_per_step": wall_ms, **out}
+    tree = None if method == "vanilla" else tree_label(engine.budgets[method])
+    return {"method": method, "tree": tree, "steps": steps, "wall_ms_per_step": wall_ms, **out}
 
 
 def markdown(res: dict) -> str:
     cc = res["custom_calls"]
-    lines = [f"{res['method']}: {res['wall_ms_per_step']:.2f} ms a step (untraced); custom calls "
+    tree = f" (tree {res['tree']})" if res.get("tree") else ""
+    lines = [f"{res['method']}{tree}: {res['wall_ms_per_step']:.2f} ms a step (untraced); custom calls "
              f"{cc['ms']:.2f} ms in {cc['calls']:.0f} calls a step", "",
              "| call duration | sites | calls a step | ms a step |", "|---|---|---|---|"]
     for b in cc["buckets"]:
@@ -178,6 +182,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle_jax.bench trace", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--method", default="vanilla", help="vanilla, eagle1, eagle2 or eagle3 (with its serve tree)")
+    p.add_argument("--tree", default="serve", help="the speculative method's tree, as `bench turns` takes it: "
+                   "N/D/K or N/D/K/L (eagle2, eagle3), sN or sN/L (eagle1), a budget .json, or serve")
     p.add_argument("--drafter", default="default")
     p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     p.add_argument("--steps", type=int, default=20)
@@ -187,12 +193,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    from .bench_turns import parse_tree
     from .engine import Engine
 
+    budget = None
+    if args.method != "vanilla":
+        try:
+            budget = parse_tree(args.tree, args.method)
+        except ValueError as e:
+            p.error(str(e))
+    elif args.tree != "serve":
+        p.error("--tree is the tree of a speculative --method")
     engine = Engine(args.model, activations=args.activations)
     methods = ["vanilla"]
     if args.method != "vanilla":
-        engine.add_method(args.method, args.drafter)
+        engine.add_method(args.method, args.drafter, budget=budget)
         methods.append(args.method)
     ids = engine.encode(args.prompt)
     results = [trace_method(engine, m, ids, args.steps) for m in methods]

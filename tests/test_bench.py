@@ -371,3 +371,20 @@ def test_trace_of_plain_steps_on_the_tiny_model(tiny_hf_dir):
         assert kernel_layers and all(res["by_scope"][k]["calls"] >= 1 for k in kernel_layers)
     assert any(k.startswith("DecoderLayer") for k in res["by_scope"])
     assert "| call duration |" in step_trace.markdown(res)
+
+
+def test_trace_runs_the_tree_it_is_given(tiny_hf_dir, capsys):
+    from eagle_jax import step_trace
+
+    argv = ["--model", str(tiny_hf_dir), "--method", "eagle3", "--drafter", "oracle", "--steps", "2"]
+    assert step_trace.main(argv + ["--tree", "4/1/3", "--json"]) == 0
+    out = capsys.readouterr()
+    res = json.loads(out.out.splitlines()[-1])["results"]
+    assert [(r["method"], r["tree"]) for r in res] == [("vanilla", None), ("eagle3", "4/1/3")]
+    assert "eagle3 (tree 4/1/3): " in out.err
+    for bad in (["--tree", "s4"], ["--tree", "4/1"]):  # eagle3 drafts dynamic trees; not a tree
+        with pytest.raises(SystemExit):
+            step_trace.main(argv + bad)
+        assert "tree" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        step_trace.main(["--model", str(tiny_hf_dir), "--tree", "4/1/3"])  # vanilla has no tree
