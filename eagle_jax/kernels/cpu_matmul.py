@@ -20,6 +20,7 @@ matmuls).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -63,9 +64,12 @@ KEEP_BUILDS = 4  # built libraries kept in the kernels' cache, most recently use
 _state: dict = {}
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_fields() -> dict[str, str]:
     """The first CPU's fields in /proc/cpuinfo ("vendor_id", "cpu family", "model", "flags", ...);
-    {} off Linux/x86-64."""
+    {} off Linux/x86-64. Read once a process: the instruction set, the core and the bench's machine
+    record each ask (the file holds every CPU's block, hundreds of KB on a large host). Callers
+    must not modify the dict."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return {}
     try:
