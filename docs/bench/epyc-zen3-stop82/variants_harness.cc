@@ -9,7 +9,7 @@
 //     $K/cpu_matmul_avx2.h > old.h
 //   cp old.h spread.h && patch spread.h $H/spread-x.diff            # x's 4-byte groups spread over vectors
 //   cp spread.h scales.h && patch scales.h $H/spread-scales.diff    # and the block scales too
-//   cp old.h unroll.h && patch unroll.h $H/unroll.diff              # the Q4_1 block's loop unrolled
+//   cp old.h unroll.h && patch unroll.h $H/unroll-4-5-rows.diff     # the Q4_1 loop unrolled for 4-5 rows
 //   cp $K/cpu_simd_avx2.h . && g++ -O3 -march=native -std=c++17 -w $H/variants_harness.cc -I. -o h
 //   ./h check; ./h 31 1 6    # repetitions, first and last row count
 #include <immintrin.h>
@@ -41,7 +41,6 @@ namespace v_unroll { inline int64_t qx_row_bytes(int64_t K) { return K + 12 * (K
 }
 namespace v_tiles {  // more than 3 rows: two tiles of rows a 16-column group, the second from L1
 using v_old::qx_row_bytes;
-using v_old::qx_quantize;
 template <bool Q4, int T>
 void qx_block(const float* xq, const float* w, const float* s, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   if constexpr (T <= 3) {
@@ -58,7 +57,7 @@ void qx_block(const float* xq, const float* w, const float* s, float* y, int64_t
 }  // namespace v_tiles
 
 constexpr int kVariants = 5;
-const char* kNames[kVariants] = {"header", "spread x", "spread x + scales", "tiles", "unrolled"};
+const char* kNames[kVariants] = {"header", "spread x", "spread x + scales", "tiles", "unrolled (4-5 rows)"};
 int64_t row_bytes(int v, int64_t K) {
   return v == 1 ? v_spread::qx_row_bytes(K) : v == 2 ? v_scales::qx_row_bytes(K) : v_old::qx_row_bytes(K);
 }
