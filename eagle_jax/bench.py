@@ -19,7 +19,9 @@ the decoding program, without a call's own cost (step_profile.py).
 Each prompt is also decoded to one token (not with --no-first-token): `first_token_s` is that
 run's mean time (prefill + first token), and `loop_tokens_per_s` the tokens after the first over
 the full runs' time beyond it — the decoding loop alone, which the prefill does not dilute
-(`loop_speedup_vs_vanilla`).
+(`loop_speedup_vs_vanilla`). `speedup_vs_vanilla_ci95` and `loop_speedup_vs_vanilla_ci95` are
+95% intervals of those two speedups, [low, high], from a paired bootstrap over the prompts
+(bench_stats.py): how much a figure owes to which prompts were drawn.
 
 Methods: `vanilla` (eagle_jax plain decoding), `eagle1` (EAGLE-1 head, static tree), `eagle2`
 (EAGLE-1 head, dynamic tree), `eagle3` (EAGLE-3 head, dynamic tree), `hf` (transformers' greedy
@@ -64,6 +66,7 @@ from typing import Optional
 from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
                        parse_shapes, resolve_budget)
 from .bench_runners import ALL_METHODS, GREEDY, TORCH_METHODS, Sampling, make_runners
+from .bench_stats import add_intervals, format_interval
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget, parse_prefill_chunk
 from .serve.cli import add_kernel_arguments, read_prompts
@@ -176,6 +179,7 @@ def summarize(rows: dict, sampled: bool = False) -> dict:
             for r in out.values():
                 if key in r:
                     r[name] = r[key] / base
+    add_intervals(out, rows)  # the speedups' 95% intervals over the prompts (bench_stats.py)
     if "vanilla" in rows and not sampled:
         for m in rows:
             if m != "vanilla":
@@ -201,13 +205,14 @@ def acceptance_curve(hist: dict) -> list:
 
 
 def markdown_table(result: dict) -> str:
-    cols = ["tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf", "tau", "new_tokens", "seconds",
-            "same_tokens_as_vanilla"]
+    cols = ["tokens_per_s", "speedup_vs_vanilla", "speedup_vs_vanilla_ci95", "speedup_vs_hf", "tau", "new_tokens",
+            "seconds", "same_tokens_as_vanilla"]
     if any("first_token_s" in r for r in result.values()):
-        cols[6:6] = ["first_token_s", "loop_tokens_per_s", "loop_speedup_vs_vanilla"]
+        cols[7:7] = ["first_token_s", "loop_tokens_per_s", "loop_speedup_vs_vanilla", "loop_speedup_vs_vanilla_ci95"]
     lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m, r in result.items():
-        cells = [f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+        cells = [format_interval(r.get(c)) if c.endswith("_ci95") else
+                 f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -36,17 +36,30 @@ def _title(result: dict) -> str:
             f"({', '.join(filter(None, (m.get('cpu_isa'), m.get('jax_backend'))))})")
 
 
-def _grouped_bars(ax, sets: dict, key: str, ylabel: str, legend_cols: int = 6):
+def _grouped_bars(ax, sets: dict, key: str, ylabel: str, legend_cols: int = 6, interval_key: str = ""):
+    """A bar per method and set; with `interval_key`, whiskers over each bar from its interval
+    [low, high] where the result has one (`bench_stats`: 95% over the prompts)."""
     names = list(sets)
     methods = list(next(iter(sets.values())))
     width = 0.8 / max(len(methods), 1)
     top = 0.0
     for j, m in enumerate(methods):
         vals = [sets[n][m].get(key) or 0.0 for n in names]
-        top = max(top, *vals)
+        cis = [sets[n][m].get(interval_key) if interval_key else None for n in names]
+        top = max(top, *vals, *(ci[1] for ci in cis if ci))
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
-        bars = ax.bar(xs, vals, width, label=m)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        err = None
+        if any(cis):  # no whisker (0, 0) where a bar has no interval, as the reference method's
+            err = [[max(v - ci[0], 0.0) if ci else 0.0 for v, ci in zip(vals, cis)],
+                   [max(ci[1] - v, 0.0) if ci else 0.0 for v, ci in zip(vals, cis)]]
+        bars = ax.bar(xs, vals, width, label=m, yerr=err, capsize=2 if err else 0,
+                      error_kw={"elinewidth": 0.8, "ecolor": "black"})
+        if err is None:
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        else:  # the value above its whisker, not across it
+            for x, v, up in zip(xs, vals, err[1]):
+                ax.annotate(f"{v:.2f}", (x, v + up), xytext=(0, 2), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=7)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel(ylabel)
     cols = max(1, min(len(methods), legend_cols))
@@ -65,9 +78,11 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
 
     if any("speedup_vs_vanilla" in r for res in sets.values() for r in res.values()):
         fig, ax = plt.subplots(figsize=(9, 4.5))
-        _grouped_bars(ax, sets, "speedup_vs_vanilla", "tokens/s ÷ eagle_jax vanilla")
+        _grouped_bars(ax, sets, "speedup_vs_vanilla", "tokens/s ÷ eagle_jax vanilla",
+                      interval_key="speedup_vs_vanilla_ci95")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_title("Speedup per method and prompt set\n" + _title(result), fontsize=9)
+        ax.set_title("Speedup per method and prompt set (whiskers: 95% over the prompts)\n" + _title(result),
+                     fontsize=9)
         written.append(_save(fig, out_dir / "speedup.png"))
 
     spec = {m: r for m, r in result["methods"].items()

@@ -136,6 +136,9 @@ def test_prompt_sets_time_split_and_plots(tiny_hf_dir, tmp_path, capsys):
     assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["step_ms"] > 0 and split["plain_ms"] > 0
     assert abs(split["draft_ms"] + split["verify_ms"] + split["other_ms"] - split["step_ms"]) < 1e-6
     assert "time_split" not in out["methods"]["vanilla"]
+    for res in (out["methods"], *out["sets"].values()):  # two prompts or more: the speedups' intervals
+        lo, hi = res["eagle3"]["speedup_vs_vanilla_ci95"]
+        assert lo <= res["eagle3"]["speedup_vs_vanilla"] <= hi and "loop_speedup_vs_vanilla_ci95" in res["eagle3"]
     for name in ("speedup.png", "acceptance.png", "time_split.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (plots / "budget.png").exists()  # no autotune in this run

@@ -1,0 +1,74 @@
+"""How sure a benchmark's speedups are: 95% intervals from a paired bootstrap over its prompts.
+
+Every method decodes the same prompts, in turns (`bench.run_rows`), so prompt i's rows of two
+methods form a pair. A speedup is a ratio of two pooled rates, (Σ tokens_a / Σ seconds_a) ÷
+(Σ tokens_b / Σ seconds_b) over the prompts; the bootstrap draws the prompts with replacement,
+`BOOT_REPS` times, computes that ratio on each draw from the drawn pairs, and reports the 2.5th and
+97.5th percentiles. The interval shows how much the figure owes to which prompts were drawn: with
+eight prompts a set, one long reply that the drafter predicts well moves a speedup by several
+hundredths. A drift of the machine's speed hits every method of a prompt alike (the turns), so
+most of it cancels inside a pair; a drift between two runs of the benchmark is not in it.
+
+The draws come from a fixed seed: the same rows give the same interval.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+BOOT_REPS = 4000
+LEVEL = 0.95
+
+
+def _end_to_end(r: dict) -> tuple[float, float]:
+    return float(r["new_tokens"]), float(r["seconds"])
+
+
+def _loop(r: dict) -> tuple[float, float]:
+    """The decoding loop's tokens and time (`bench.summarize`: the first token's run taken away)."""
+    return float(max(r["new_tokens"] - 1, 0)), float(max(r["seconds"] - r["first_token_seconds"], 0.0))
+
+
+def ratio_interval(rows: list, ref_rows: list, part: Callable[[dict], tuple[float, float]] = _end_to_end,
+                   reps: int = BOOT_REPS, level: float = LEVEL, seed: int = 0) -> Optional[list]:
+    """[low, high]: the `level` interval of (Σ tokens / Σ seconds of `rows`) ÷ (the same of `ref_rows`)
+    over bootstrap draws of the prompts, row i of both lists being prompt i. None where there are
+    fewer than two prompts, the lists differ in length, or no draw has time in both."""
+    n = len(rows)
+    if n < 2 or len(ref_rows) != n:
+        return None
+    a = np.array([part(r) for r in rows])  # [n, 2] tokens, seconds
+    b = np.array([part(r) for r in ref_rows])
+    pick = np.random.default_rng(seed).integers(0, n, size=(reps, n))
+    sums_a, sums_b = a[pick].sum(axis=1), b[pick].sum(axis=1)  # [reps, 2]
+    ok = (sums_a[:, 1] > 0) & (sums_b[:, 1] > 0) & (sums_b[:, 0] > 0)
+    if not ok.any():
+        return None
+    ratio = (sums_a[ok, 0] / sums_a[ok, 1]) / (sums_b[ok, 0] / sums_b[ok, 1])
+    tail = 50.0 * (1.0 - level)
+    low, high = np.percentile(ratio, [tail, 100.0 - tail])
+    return [float(low), float(high)]
+
+
+def add_intervals(out: dict, rows: dict, ref: str = "vanilla") -> None:
+    """Put `speedup_vs_vanilla_ci95` (and, where every row has its first token's time,
+    `loop_speedup_vs_vanilla_ci95`) into each method's summary in `out` (`bench.summarize`)."""
+    if ref not in rows:
+        return
+    for m, rs in rows.items():
+        if m == ref or m not in out:
+            continue
+        ci = ratio_interval(rs, rows[ref])
+        if ci is not None:
+            out[m]["speedup_vs_vanilla_ci95"] = ci
+        if all("first_token_seconds" in r for r in rs + rows[ref]):
+            ci = ratio_interval(rs, rows[ref], _loop)
+            if ci is not None:
+                out[m]["loop_speedup_vs_vanilla_ci95"] = ci
+
+
+def format_interval(ci) -> str:
+    """"1.42–1.58" for a table cell, "" without an interval."""
+    return f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else ""
