@@ -153,9 +153,10 @@ def run_rows(engine, prompts: list[list[int]], methods: list[str], max_new_token
     return rows
 
 
-def summarize(rows: dict, sampled: bool = False) -> dict:
+def summarize(rows: dict, sampled: bool = False, groups: Optional[list] = None) -> dict:
     """Per-method totals. tokens_per_s = all new tokens / all seconds; tau = new tokens / target calls.
-    Greedy (not `sampled`), each method's tokens are compared with plain decoding's."""
+    Greedy (not `sampled`), each method's tokens are compared with plain decoding's. groups: each
+    row's prompt set where rows of several sets are pooled (the intervals draw within each set)."""
     out = {}
     for m, rs in rows.items():
         new = sum(r["new_tokens"] for r in rs)
@@ -183,7 +184,7 @@ def summarize(rows: dict, sampled: bool = False) -> dict:
             for r in out.values():
                 if key in r:
                     r[name] = r[key] / base
-    add_intervals(out, rows)  # the speedups' 95% intervals over the prompts (bench_stats.py)
+    add_intervals(out, rows, groups=groups)  # the speedups' 95% intervals over the prompts (bench_stats.py)
     if "vanilla" in rows and not sampled:
         for m in rows:
             if m != "vanilla":
@@ -370,7 +371,8 @@ def main(argv=None) -> int:
                                      sampling=sampling)
     pooled = {m: [r for rows in rows_by_set.values() for r in rows[m]] for m in methods}
     sampled = not sampling.greedy
-    result = {"methods": summarize(pooled, sampled),
+    groups = [n for n, rows in rows_by_set.items() for _ in rows[methods[0]]]  # each pooled row's set
+    result = {"methods": summarize(pooled, sampled, groups),
               "sets": {n: summarize(r, sampled) for n, r in rows_by_set.items()},
               "machine": machine_info(),
               "settings": {"prompts": args.prompts, "limit": args.limit,

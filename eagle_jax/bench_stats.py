@@ -9,7 +9,9 @@ eight prompts a set, one long reply that the drafter predicts well moves a speed
 hundredths. A drift of the machine's speed hits every method of a prompt alike (the turns), so
 most of it cancels inside a pair; a drift between two runs of the benchmark is not in it.
 
-The draws come from a fixed seed: the same rows give the same interval.
+Rows pooled from several prompt sets are drawn within each set (a stratified bootstrap), so each
+draw keeps the run's mix of, say, 8 chat and 8 code prompts. The draws come from a fixed seed: the
+same rows give the same interval.
 """
 
 from __future__ import annotations
@@ -32,16 +34,22 @@ def _loop(r: dict) -> tuple[float, float]:
 
 
 def ratio_interval(rows: list, ref_rows: list, part: Callable[[dict], tuple[float, float]] = _end_to_end,
-                   reps: int = BOOT_REPS, level: float = LEVEL, seed: int = 0) -> Optional[list]:
+                   reps: int = BOOT_REPS, level: float = LEVEL, seed: int = 0,
+                   groups: Optional[list] = None) -> Optional[list]:
     """[low, high]: the `level` interval of (Σ tokens / Σ seconds of `rows`) ÷ (the same of `ref_rows`)
-    over bootstrap draws of the prompts, row i of both lists being prompt i. None where there are
-    fewer than two prompts, the lists differ in length, or no draw has time in both."""
+    over bootstrap draws of the prompts, row i of both lists being prompt i; with `groups` (row i's
+    prompt set), each draw takes as many prompts of each set as there are, from that set. None where
+    there are fewer than two prompts, the lists (or groups) differ in length, or no draw has time in
+    both."""
     n = len(rows)
-    if n < 2 or len(ref_rows) != n:
+    if n < 2 or len(ref_rows) != n or (groups is not None and len(groups) != n):
         return None
     a = np.array([part(r) for r in rows])  # [n, 2] tokens, seconds
     b = np.array([part(r) for r in ref_rows])
-    pick = np.random.default_rng(seed).integers(0, n, size=(reps, n))
+    rng = np.random.default_rng(seed)
+    members = [np.flatnonzero(np.array([g == key for g in groups])) for key in dict.fromkeys(groups)] \
+        if groups is not None else [np.arange(n)]
+    pick = np.concatenate([m[rng.integers(0, len(m), size=(reps, len(m)))] for m in members], axis=1)  # [reps, n]
     sums_a, sums_b = a[pick].sum(axis=1), b[pick].sum(axis=1)  # [reps, 2]
     ok = (sums_a[:, 1] > 0) & (sums_b[:, 1] > 0) & (sums_b[:, 0] > 0)
     if not ok.any():
@@ -52,19 +60,20 @@ def ratio_interval(rows: list, ref_rows: list, part: Callable[[dict], tuple[floa
     return [float(low), float(high)]
 
 
-def add_intervals(out: dict, rows: dict, ref: str = "vanilla") -> None:
+def add_intervals(out: dict, rows: dict, ref: str = "vanilla", groups: Optional[list] = None) -> None:
     """Put `speedup_vs_vanilla_ci95` (and, where every row has its first token's time,
-    `loop_speedup_vs_vanilla_ci95`) into each method's summary in `out` (`bench.summarize`)."""
+    `loop_speedup_vs_vanilla_ci95`) into each method's summary in `out` (`bench.summarize`); groups:
+    each row's prompt set, for `ratio_interval`."""
     if ref not in rows:
         return
     for m, rs in rows.items():
         if m == ref or m not in out:
             continue
-        ci = ratio_interval(rs, rows[ref])
+        ci = ratio_interval(rs, rows[ref], groups=groups)
         if ci is not None:
             out[m]["speedup_vs_vanilla_ci95"] = ci
         if all("first_token_seconds" in r for r in rs + rows[ref]):
-            ci = ratio_interval(rs, rows[ref], _loop)
+            ci = ratio_interval(rs, rows[ref], _loop, groups=groups)
             if ci is not None:
                 out[m]["loop_speedup_vs_vanilla_ci95"] = ci
 

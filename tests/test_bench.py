@@ -139,6 +139,12 @@ def test_prompt_sets_time_split_and_plots(tiny_hf_dir, tmp_path, capsys):
     rows = out["rows"]["setb"]["eagle3"]  # each prompt's own figures, in the order decoded
     assert len(rows) == 2 and set(rows[0]) == set(bench.ROW_FIELDS)
     assert sum(r["new_tokens"] for r in rows) == out["sets"]["setb"]["eagle3"]["new_tokens"]
+    from eagle_jax.bench_stats import ratio_interval
+    pooled = {m: [r for s in out["rows"].values() for r in s[m]] for m in ("vanilla", "eagle3")}
+    groups = [s for s, by_method in out["rows"].items() for _ in by_method["eagle3"]]
+    assert groups == ["seta"] * 2 + ["setb"] * 2  # the pooled interval is drawn within each set
+    ci = ratio_interval(pooled["eagle3"], pooled["vanilla"], groups=groups)
+    assert out["methods"]["eagle3"]["speedup_vs_vanilla_ci95"] == ci
     for res in (out["methods"], *out["sets"].values()):  # two prompts or more: the speedups' intervals
         lo, hi = res["eagle3"]["speedup_vs_vanilla_ci95"]
         assert lo <= res["eagle3"]["speedup_vs_vanilla"] <= hi and "loop_speedup_vs_vanilla_ci95" in res["eagle3"]

@@ -62,3 +62,18 @@ def test_summaries_and_tables_carry_the_intervals():
     assert "speedup_vs_vanilla_ci95" not in one["eagle3"] and format_interval(None) == ""
     assert ratio_interval(e, v[:2]) is None
     assert "speedup_vs_vanilla_ci95" not in bench.summarize({"eagle3": e, "hf": v})["eagle3"]  # no vanilla
+
+
+def test_pooled_sets_are_drawn_within_each_set():
+    # set a: 2x on every prompt, set b: no gain; within each set the prompts are alike, so a draw
+    # that keeps two of each set always gives (4 tokens in 3 s) / (4 in 4): 4/3, with no spread
+    v = [_row(100, 1.0)] * 4
+    e = [_row(100, 0.5), _row(100, 0.5), _row(100, 1.0), _row(100, 1.0)]
+    groups = ["a", "a", "b", "b"]
+    lo, hi = ratio_interval(e, v, groups=groups)
+    assert abs(lo - 4 / 3) < 1e-12 and abs(hi - 4 / 3) < 1e-12
+    lo, hi = ratio_interval(e, v)  # drawn across the sets: the mix varies
+    assert lo < 4 / 3 - 0.1 and hi > 4 / 3 + 0.1
+    assert ratio_interval(e, v, groups=groups[:3]) is None
+    out = bench.summarize({"vanilla": v, "eagle3": e}, groups=groups)
+    assert out["eagle3"]["speedup_vs_vanilla_ci95"] == ratio_interval(e, v, groups=groups)
