@@ -67,7 +67,7 @@ from typing import Optional
 from .autotune import (DEFAULT_CANDIDATES, DEFAULT_LOOKUP_NGRAMS, DEFAULT_LOOKUPS, DEFAULT_SHAPES, parse_lookups,
                        parse_shapes, resolve_budget)
 from .bench_runners import ALL_METHODS, GREEDY, TORCH_METHODS, Sampling, make_runners
-from .bench_stats import add_intervals, format_interval
+from .bench_stats import add_intervals, format_interval, loop_part
 from .decoding import cache_length_for
 from .engine import SPEC_METHODS, default_budget, parse_prefill_chunk
 from .serve.cli import add_kernel_arguments, read_prompts
@@ -166,8 +166,8 @@ def summarize(rows: dict, sampled: bool = False, groups: Optional[list] = None) 
                   "tau": (new / sum(calls)) if None not in calls and sum(calls) else None, "prompts": len(rs)}
         if rs and all("first_token_seconds" in r for r in rs):
             first = sum(r["first_token_seconds"] for r in rs)
-            loop_sec = sum(max(r["seconds"] - r["first_token_seconds"], 0.0) for r in rs)
-            loop_new = sum(max(r["new_tokens"] - 1, 0) for r in rs)
+            loop = [loop_part(r) for r in rs]  # (tokens, seconds) of each row's decoding loop
+            loop_new, loop_sec = sum(t for t, _ in loop), sum(sec for _, sec in loop)
             out[m]["first_token_s"] = first / len(rs)
             out[m]["loop_tokens_per_s"] = loop_new / loop_sec if loop_sec else 0.0
         if rs and "accept_lengths" in rs[0]:

@@ -28,8 +28,10 @@ def _end_to_end(r: dict) -> tuple[float, float]:
     return float(r["new_tokens"]), float(r["seconds"])
 
 
-def _loop(r: dict) -> tuple[float, float]:
-    """The decoding loop's tokens and time (`bench.summarize`: the first token's run taken away)."""
+def loop_part(r: dict) -> tuple[float, float]:
+    """A row's decoding-loop tokens and seconds: the tokens after the first, and the time beyond its
+    1-token run (never below 0: that run can take longer than a short full run). `bench.summarize`'s
+    loop figures and their intervals here both come from it."""
     return float(max(r["new_tokens"] - 1, 0)), float(max(r["seconds"] - r["first_token_seconds"], 0.0))
 
 
@@ -47,8 +49,8 @@ def ratio_interval(rows: list, ref_rows: list, part: Callable[[dict], tuple[floa
     a = np.array([part(r) for r in rows])  # [n, 2] tokens, seconds
     b = np.array([part(r) for r in ref_rows])
     rng = np.random.default_rng(seed)
-    members = [np.flatnonzero(np.array([g == key for g in groups])) for key in dict.fromkeys(groups)] \
-        if groups is not None else [np.arange(n)]
+    labels = np.asarray(groups) if groups is not None else np.zeros(n)
+    members = [np.flatnonzero(labels == key) for key in dict.fromkeys(labels.tolist())]  # each set's rows
     pick = np.concatenate([m[rng.integers(0, len(m), size=(reps, len(m)))] for m in members], axis=1)  # [reps, n]
     sums_a, sums_b = a[pick].sum(axis=1), b[pick].sum(axis=1)  # [reps, 2]
     ok = (sums_a[:, 1] > 0) & (sums_b[:, 1] > 0) & (sums_b[:, 0] > 0)
@@ -73,7 +75,7 @@ def add_intervals(out: dict, rows: dict, ref: str = "vanilla", groups: Optional[
         if ci is not None:
             out[m]["speedup_vs_vanilla_ci95"] = ci
         if all("first_token_seconds" in r for r in rs + rows[ref]):
-            ci = ratio_interval(rs, rows[ref], _loop, groups=groups)
+            ci = ratio_interval(rs, rows[ref], loop_part, groups=groups)
             if ci is not None:
                 out[m]["loop_speedup_vs_vanilla_ci95"] = ci
 
