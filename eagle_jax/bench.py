@@ -318,6 +318,7 @@ def main(argv=None) -> int:
         return 2
     try:
         sets = resolve_prompt_sets(args.prompts)
+        texts = {name: [p for _, p in read_prompts(path)[: args.limit]] for name, path in sets}  # before loading
         auto = args.total_tokens == "auto"
         total_tokens = None if auto or args.total_tokens is None else int(args.total_tokens)
         candidates = [int(x) for x in args.auto_candidates.split(",") if x.strip()]
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
         if auto and not sampling.greedy:
             raise ValueError("--total-tokens auto tunes trees on greedy decoding; tune without --temperature, "
                              "then benchmark sampling with the saved budget")
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a prompt file that cannot be read
         print(f"error: {e}", file=sys.stderr)
         return 2
     from .engine import Engine
@@ -359,8 +360,7 @@ def main(argv=None) -> int:
                 print(f"error: {m}: {e}", file=sys.stderr)
                 return 2
             engine.add_method(m, spec, budget)
-    prompt_ids = {name: [engine.encode(p, raw=args.raw) for _, p in read_prompts(path)[: args.limit]]
-                  for name, path in sets}
+    prompt_ids = {name: [engine.encode(p, raw=args.raw) for p in ps] for name, ps in texts.items()}
     tuned = autotune_methods(engine, methods, args, candidates, shapes, lookups, lookup_ngrams, log) if auto else {}
     log(f"prompt sets {[(n, len(v)) for n, v in prompt_ids.items()]}, {args.max_new_tokens} new tokens, "
         f"methods {methods}")

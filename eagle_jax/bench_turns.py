@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     try:
         trees = {spec: parse_tree(spec, args.method) for spec in (t.strip() for t in args.trees.split(",")) if spec}
         sets = resolve_prompt_sets(args.prompts)
+        texts = [(name, p) for name, path in sets for _, p in read_prompts(path)[: args.limit]]  # before loading
         if args.rounds < 1 or args.limit < 1 or not rows or not trees:
             raise ValueError("need --rounds and --limit >= 1, and at least one row kind and one tree")
         if len(rows) * len(trees) > MAX_SETTINGS:
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
                              f"one process can hold compiled; split them over runs")
         if bad := [r for r in rows if r not in DRAFT_ROWS]:
             raise ValueError(f"unknown draft-row kind(s) {bad}; choose from {', '.join(DRAFT_ROWS)}")
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a prompt file that cannot be read
         print(f"error: {e}", file=sys.stderr)
         return 2
     log = lambda s: print(f"[turns] {s}", file=sys.stderr, flush=True)  # noqa: E731
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
         budgets[tree_label(b) + (" (serve)" if spec == "serve" else f" ({Path(spec).name})" if spec.endswith(".json")
                                  else "")] = b
     engine.add_method(args.method, next(iter(heads.values())), next(iter(budgets.values())))
-    prompts = [(name, engine.encode(p)) for name, path in sets for _, p in read_prompts(path)[: args.limit]]
+    prompts = [(name, engine.encode(p)) for name, p in texts]
     log(f"{len(prompts)} prompts, {args.rounds} rounds, settings: rows {rows} x trees {list(budgets)}")
     result = run_turns(engine, args.method, heads, budgets, prompts, args.max_new_tokens, args.rounds, log)
     result["machine"] = machine_info()

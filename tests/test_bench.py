@@ -163,6 +163,20 @@ def test_output_folders_that_cannot_be_made_are_refused_before_loading(tmp_path,
         assert "output folder" in err and str(blocker) in err and "no/such/model" not in err
 
 
+@pytest.mark.parametrize("command", [["--methods", "vanilla"], ["turns"]])
+def test_bad_prompt_files_are_refused_before_loading(command, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt": "fine"}\nnot json\n')
+    assert bench.main([*command, "--model", "no/such/model", "--prompts", f"chat,{bad}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: not valid JSON" in err and "no/such/model" not in err
+    folder = tmp_path / "a-folder.jsonl"
+    folder.mkdir()
+    assert bench.main([*command, "--model", "no/such/model", "--prompts", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and str(folder) in err and "no/such/model" not in err
+
+
 def test_unknown_prompt_set_is_refused(capsys):
     assert bench.main(["--prompts", "chat,nonsense", "--methods", "vanilla"]) == 2
     assert "nonsense" in capsys.readouterr().err
