@@ -318,6 +318,8 @@ def main(argv=None) -> int:
         return 2
     try:
         sets = resolve_prompt_sets(args.prompts)
+        if args.limit < 1 or args.max_new_tokens < 1:
+            raise ValueError(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
         texts = {name: [p for _, p in read_prompts(path)[: args.limit]] for name, path in sets}  # before loading
         auto = args.total_tokens == "auto"
         total_tokens = None if auto or args.total_tokens is None else int(args.total_tokens)

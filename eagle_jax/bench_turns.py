@@ -177,8 +177,8 @@ def main(argv=None) -> int:
         trees = {spec: parse_tree(spec, args.method) for spec in (t.strip() for t in args.trees.split(",")) if spec}
         sets = resolve_prompt_sets(args.prompts)
         texts = [(name, p) for name, path in sets for _, p in read_prompts(path)[: args.limit]]  # before loading
-        if args.rounds < 1 or args.limit < 1 or not rows or not trees:
-            raise ValueError("need --rounds and --limit >= 1, and at least one row kind and one tree")
+        if args.rounds < 1 or args.limit < 1 or args.max_new_tokens < 1 or not rows or not trees:
+            raise ValueError("need --rounds, --limit and --max-new-tokens >= 1, and at least one row kind and one tree")
         if len(rows) * len(trees) > MAX_SETTINGS:
             raise ValueError(f"{len(rows)} row kinds x {len(trees)} trees are more than {MAX_SETTINGS} settings "
                              f"one process can hold compiled; split them over runs")

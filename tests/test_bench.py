@@ -177,6 +177,15 @@ def test_bad_prompt_files_are_refused_before_loading(command, tmp_path, capsys):
     assert err.startswith("error:") and str(folder) in err and "no/such/model" not in err
 
 
+def test_prompt_and_token_counts_below_one_are_refused_before_loading(capsys, monkeypatch):
+    monkeypatch.setattr("eagle_jax.engine.Engine.__init__", lambda *a, **k: pytest.fail("loaded a model"))
+    for flags in (["--limit", "0"], ["--limit", "-1"], ["--max-new-tokens", "0"]):
+        assert bench.main(["--methods", "vanilla", *flags]) == 2
+        assert ">= 1" in capsys.readouterr().err
+        assert bench.main(["turns", *flags]) == 2
+        assert ">= 1" in capsys.readouterr().err
+
+
 def test_unknown_prompt_set_is_refused(capsys):
     assert bench.main(["--prompts", "chat,nonsense", "--methods", "vanilla"]) == 2
     assert "nonsense" in capsys.readouterr().err
