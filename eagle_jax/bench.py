@@ -98,6 +98,15 @@ def resolve_prompt_sets(spec: str) -> list[tuple[str, Path]]:
     return out
 
 
+def read_prompt_sets(spec: str, limit: int) -> list[tuple[str, list[str]]]:
+    """(name, the first `limit` prompt texts) of each set in `spec` (`resolve_prompt_sets`): read
+    before a model loads, so that a bad count, a malformed line or an unreadable file is an error
+    at once (ValueError, OSError)."""
+    if limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    return [(name, [p for _, p in read_prompts(path)[:limit]]) for name, path in resolve_prompt_sets(spec)]
+
+
 def machine_info() -> dict:
     import jax
 
@@ -317,10 +326,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        sets = resolve_prompt_sets(args.prompts)
-        if args.limit < 1 or args.max_new_tokens < 1:
-            raise ValueError(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
-        texts = {name: [p for _, p in read_prompts(path)[: args.limit]] for name, path in sets}  # before loading
+        texts = dict(read_prompt_sets(args.prompts, args.limit))
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         auto = args.total_tokens == "auto"
         total_tokens = None if auto or args.total_tokens is None else int(args.total_tokens)
         candidates = [int(x) for x in args.auto_candidates.split(",") if x.strip()]

@@ -167,18 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .autotune import resolve_budget
-    from .bench import machine_info, resolve_prompt_sets
+    from .bench import machine_info, read_prompt_sets
     from .engine import Engine, parse_prefill_chunk
     from .models.quantized import DRAFT_ROWS
-    from .serve.cli import read_prompts
 
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     try:
         trees = {spec: parse_tree(spec, args.method) for spec in (t.strip() for t in args.trees.split(",")) if spec}
-        sets = resolve_prompt_sets(args.prompts)
-        texts = [(name, p) for name, path in sets for _, p in read_prompts(path)[: args.limit]]  # before loading
-        if args.rounds < 1 or args.limit < 1 or args.max_new_tokens < 1 or not rows or not trees:
-            raise ValueError("need --rounds, --limit and --max-new-tokens >= 1, and at least one row kind and one tree")
+        texts = [(name, p) for name, ps in read_prompt_sets(args.prompts, args.limit) for p in ps]
+        if args.rounds < 1 or args.max_new_tokens < 1 or not rows or not trees:
+            raise ValueError("need --rounds and --max-new-tokens >= 1, and at least one row kind and one tree")
         if len(rows) * len(trees) > MAX_SETTINGS:
             raise ValueError(f"{len(rows)} row kinds x {len(trees)} trees are more than {MAX_SETTINGS} settings "
                              f"one process can hold compiled; split them over runs")
