@@ -58,6 +58,11 @@ def draft_prefill(head: DraftHead, target_params, feats_bsf, tokens_bs, prompt_l
     """Run the head over prompt positions 0..P-1: feature f_j with token t_{j+1} (t_P = root), in the
     target prefill's chunks (`decoding.prefill_plan`).
 
+    Only the last position's output is read (h_root), so positions 0..P-2 only write their keys and
+    values (`head_step(keys_only=True)`: no queries, attention or MLP, about a third of a full pass's
+    products for an EAGLE-3 head), and position P-1 then runs whole, one row a prompt. The oracle
+    (whose keys need every target layer) runs every position whole.
+
     Returns (draft cache with length P, h_root [B, d] = the head's output at position P-1)."""
     b, s = tokens_bs.shape
     embed = target_params["embed_tokens"]["embedding"]
@@ -68,20 +73,29 @@ def draft_prefill(head: DraftHead, target_params, feats_bsf, tokens_bs, prompt_l
     nxt = jnp.pad(nxt, ((0, 0), (0, pad)))
     feats = jnp.pad(feats_bsf, ((0, 0), (0, pad), (0, 0)))
     last = prompt_len_b - 1
+    whole = head.cfg.kind == "oracle"
+    n_keys = prompt_len_b if whole else last  # positions run in chunks (the rest: position P-1 alone)
 
     def body(state, start, size):
         cache, h_root = state
         toks = jax.lax.dynamic_slice_in_dim(nxt, start, size, axis=1)
         f = fuse_features(head, jax.lax.dynamic_slice_in_dim(feats, start, size, axis=1))
         pos = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32)[None, :], (b, size))
-        h, cache = head_step(head, embed, toks, f, pos, cache)
-        rel = jnp.clip(last - start, 0, size - 1)
-        in_chunk = (last >= start) & (last < start + size)
-        h_root = jnp.where(in_chunk[:, None], h[rows, rel], h_root)
-        return cache.advance(jnp.clip(prompt_len_b - start, 0, size)), h_root
+        h, cache = head_step(head, embed, toks, f, pos, cache, keys_only=not whole)
+        if whole:
+            rel = jnp.clip(last - start, 0, size - 1)
+            in_chunk = (last >= start) & (last < start + size)
+            h_root = jnp.where(in_chunk[:, None], h[rows, rel], h_root)
+        return cache.advance(jnp.clip(n_keys - start, 0, size)), h_root
 
     h0 = jnp.zeros((b, head.cfg.hidden_size), head.cfg.layer.jnp_dtype)
-    return run_chunks(body, (cache, h0), jnp.max(prompt_len_b), chunk)
+    cache, h_root = run_chunks(body, (cache, h0), jnp.max(n_keys), chunk)
+    if whole:
+        return cache, h_root
+    f = fuse_features(head, feats[rows, last][:, None])
+    h, cache = head_step(head, embed, nxt[rows, last][:, None], f, last[:, None], cache)
+    live = prompt_len_b > 0  # an empty row (none in practice) keeps an empty cache and a zero state
+    return cache.advance(live.astype(jnp.int32)), jnp.where(live[:, None], h[:, 0], h0)
 
 
 class SpecState(NamedTuple):

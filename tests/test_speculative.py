@@ -100,6 +100,36 @@ def test_prefill_in_big_and_tail_chunks_keeps_speculation_lossless(tiny_llama, r
     assert np.asarray(split.root).tolist() == np.asarray(whole.root).tolist()
 
 
+@pytest.mark.parametrize("head_name", ["eagle1-random", "eagle3-random"])
+def test_draft_prefill_gives_one_whole_pass_keys_and_root_state(tiny_llama, head_name, rng):
+    """The head's prefill writes only keys and values for a prompt's positions before the last and
+    runs the last alone (`draft_prefill`): the same cache and state at the root as one whole pass
+    of the head over every position, for prompts of 1 to 33 tokens in one batch, in big and tail
+    chunks."""
+    from eagle_jax.draft.heads import create_draft_cache, fuse_features, head_step
+
+    _, cfg, params = tiny_llama
+    head = _heads(cfg, params)[head_name]
+    lens, s = np.array([1, 4, 17, 33]), 40
+    toks = rng.integers(3, cfg.vocab_size, (len(lens), s)).astype(np.int32)
+    root = rng.integers(3, cfg.vocab_size, len(lens)).astype(np.int32)
+    feats = jax.random.normal(jax.random.PRNGKey(3), (len(lens), s, head.cfg.feature_size))
+    cache = create_draft_cache(head.cfg, len(lens), s + 8)
+    prefill = jax.jit(speculative.draft_prefill, static_argnames="chunk")
+    got, h_root = prefill(head, params, feats, jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(root), cache,
+                          chunk=(16, 4))
+    nxt = np.concatenate([toks[:, 1:], np.zeros_like(toks[:, :1])], axis=1)  # position j reads t_{j+1}
+    nxt[np.arange(len(lens)), lens - 1] = root
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (len(lens), s))
+    h, want = head_step(head, params["embed_tokens"]["embedding"], jnp.asarray(nxt), fuse_features(head, feats),
+                        pos, cache)
+    assert np.asarray(got.length).tolist() == lens.tolist()
+    for i, n in enumerate(lens):
+        np.testing.assert_allclose(np.asarray(h_root[i]), np.asarray(h[i, n - 1]), rtol=1e-5, atol=1e-5)
+        for a, b in ((got.k, want.k), (got.v, want.v)):
+            np.testing.assert_allclose(np.asarray(a[:, i, :n]), np.asarray(b[:, i, :n]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("head_name,budget", [
     ("eagle3-random", LOOKUP), ("oracle-draft-vocab", LOOKUP),
     ("eagle3-random", dataclasses.replace(LOOKUP, lookup_min_ngram=3)),  # chains found by trigrams only

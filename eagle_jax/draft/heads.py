@@ -32,12 +32,14 @@ class Eagle3Layer(nn.Module):
     cfg: Any  # ModelConfig
 
     @nn.compact
-    def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None):
+    def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None, keys_only=False):
         cfg = self.cfg
         dt = cfg.jnp_dtype
         norm = lambda n: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name=n)
         x = jnp.concatenate([norm("input_layernorm")(emb_btd), norm("hidden_norm")(h_btd)], axis=-1)
-        a, cache = Attention(cfg, name="self_attn")(x, cos, sin, mask_bts, cache)
+        a, cache = Attention(cfg, name="self_attn")(x, cos, sin, mask_bts, cache, keys_only)
+        if keys_only:
+            return None, cache
         h_btd = h_btd + a
         return h_btd + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(h_btd)), cache
 
@@ -46,10 +48,10 @@ class Eagle1Module(nn.Module):
     cfg: DraftConfig
 
     @nn.compact
-    def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None):
+    def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None, keys_only=False):
         lc = self.cfg.layer
         x = dense(lc, "fc", lc.hidden_size, self.cfg.fc_bias)(jnp.concatenate([emb_btd, h_btd], axis=-1))
-        return DecoderLayer(lc, input_norm=False, name="layer")(x, cos, sin, mask_bts, cache)
+        return DecoderLayer(lc, input_norm=False, name="layer")(x, cos, sin, mask_bts, cache, keys_only)
 
 
 class Eagle3Module(nn.Module):
@@ -62,8 +64,8 @@ class Eagle3Module(nn.Module):
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps, lc.jnp_dtype)
         self.lm_head = dense(lc, None, self.cfg.draft_vocab_size, False)
 
-    def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None):
-        return self.midlayer(emb_btd, h_btd, cos, sin, mask_bts, cache)
+    def __call__(self, emb_btd, h_btd, cos, sin, mask_bts, cache=None, keys_only=False):
+        return self.midlayer(emb_btd, h_btd, cos, sin, mask_bts, cache, keys_only)
 
     def fuse(self, feats_btf):
         return self.fc(feats_btf)
@@ -168,7 +170,7 @@ def fuse_features(head: DraftHead, feats_btf):
 
 
 def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: Optional[KVCache] = None,
-              slots_bt=None, mask_bts=None):
+              slots_bt=None, mask_bts=None, keys_only: bool = False):
     """One pass of the head over T (token, hidden) pairs.
 
     With a `RolloutKeys` (EAGLE-3 training-time test), the block attends as that structure says and
@@ -178,10 +180,13 @@ def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: 
     queries see the slots `mask_bts` allows (default: committed slots + causal inside the block);
     the cache's length is not advanced. Without a cache,
     `mask_bts` is [B, T, T] (default causal).
-    Returns (h' [B, T, d], cache).
+    Returns (h' [B, T, d], cache). `keys_only` (with a cache; not the oracle, whose keys need every
+    layer's outputs): only the block's keys and values are computed and written, and h' is None.
     """
     lc = head.cfg.layer
     b, t = tokens_bt.shape
+    if keys_only and (head.cfg.kind == "oracle" or not isinstance(cache, KVCache)):
+        raise ValueError("keys_only needs a head with its own layer (not the oracle) and a KVCache")
     if head.cfg.kind == "oracle":
         return _oracle_step(head, tokens_bt, positions_bt, cache, slots_bt, mask_bts)
     emb = jnp.take(embed_vd, tokens_bt, axis=0).astype(lc.jnp_dtype)
@@ -199,7 +204,7 @@ def head_step(head: DraftHead, embed_vd, tokens_bt, h_btd, positions_bt, cache: 
     if mask_bts is None:
         mask_bts = _default_mask(cache, t)
     out, (k, v) = m.apply({"params": head.params}, emb, h_btd.astype(lc.jnp_dtype), cos, sin, mask_bts,
-                          (cache.k, cache.v, 0, slots_bt))
+                          (cache.k, cache.v, 0, slots_bt), keys_only)
     return out, cache.replace(k=k, v=v)
 
 

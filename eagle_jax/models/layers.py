@@ -323,7 +323,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_btd, cos, sin, mask_bts, cache=None):
+    def __call__(self, x_btd, cos, sin, mask_bts, cache=None, keys_only: bool = False):
         cfg = self.cfg
         b, t, _ = x_btd.shape
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -334,18 +334,23 @@ class Attention(nn.Module):
                 q, k, v = (y + _bias(self, n).astype(y.dtype)
                            for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
         else:
-            q = dense(cfg, "q_proj", nq, cfg.qkv_bias)(x_btd)
+            q = None if keys_only else dense(cfg, "q_proj", nq, cfg.qkv_bias)(x_btd)
             k = dense(cfg, "k_proj", nkv, cfg.qkv_bias)(x_btd)
             v = dense(cfg, "v_proj", nkv, cfg.qkv_bias)(x_btd)
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = rms_norm(cfg, cfg.head_dim, "q_norm")(q)
             k = rms_norm(cfg, cfg.head_dim, "k_norm")(k)
         exact = cfg.matmul_impl == "cpu_kernel"  # the path that promises the same bits in every program
-        q = apply_rope(q, cos, sin, exact)
         k = apply_rope(k, cos, sin, exact)
+        if keys_only:  # the block's keys and values written to the cache, no queries (a prompt's positions
+            # whose outputs no one reads: `speculative.draft_prefill`)
+            k_all, v_all, layer, slots = cache
+            return None, (write_block(k_all, layer, slots, k), write_block(v_all, layer, slots, v))
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(cfg, cfg.head_dim, "q_norm")(q)
+        q = apply_rope(q, cos, sin, exact)
         if cache is None:
             out = dense_attention(q, k, v, mask_bts)
         elif isinstance(cache, RolloutKeys):
@@ -396,10 +401,12 @@ class DecoderLayer(nn.Module):
     input_norm: bool = True
 
     @nn.compact
-    def __call__(self, x_btd, cos, sin, mask_bts, cache: Optional[tuple] = None):
+    def __call__(self, x_btd, cos, sin, mask_bts, cache: Optional[tuple] = None, keys_only: bool = False):
         cfg = self.cfg
         h = rms_norm(cfg, cfg.hidden_size, "input_layernorm")(x_btd) if self.input_norm else x_btd
-        a, cache = Attention(cfg, name="self_attn")(h, cos, sin, mask_bts, cache)
+        a, cache = Attention(cfg, name="self_attn")(h, cos, sin, mask_bts, cache, keys_only)
+        if keys_only:
+            return None, cache
         x_btd = x_btd + a
         h = rms_norm(cfg, cfg.hidden_size, "post_attention_layernorm")(x_btd)
         return x_btd + MLP(cfg, name="mlp")(h), cache
