@@ -112,14 +112,15 @@ async def run_level(url: str, prompts: list[str], concurrency: int, duration: fl
     lat, ttft = [r["latency"] for r in ok], [r["ttft"] for r in ok]
     return {"concurrency": concurrency, "wall_s": round(wall, 2), "requests": len(results), "ok": len(ok),
             "errors": sum(errors.values()), "error_kinds": errors, "completion_tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 2), "tau": round(tokens / calls, 3) if calls else None, "requests_per_s": round(len(ok) / wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "tau": round(tokens / calls, 3) if calls else None,
+            "requests_per_s": round(len(ok) / wall, 3),
             **{f"latency_p{q}_s": round(percentile(lat, q), 3) for q in (50, 90, 99)},
             **{f"ttft_p{q}_s": round(percentile(ttft, q), 3) for q in (50, 90, 99)}}
 
 
 def table(levels: list[dict]) -> str:
-    cols = ["concurrency", "requests", "errors", "tokens_per_s", "tau", "requests_per_s", "latency_p50_s", "latency_p90_s",
-            "latency_p99_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s"]
+    cols = ["concurrency", "requests", "errors", "tokens_per_s", "tau", "requests_per_s", "latency_p50_s",
+            "latency_p90_s", "latency_p99_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s"]
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     rows += ["| " + " | ".join(str(lv[c]) for c in cols) + " |" for lv in levels]
     return "\n".join(rows)

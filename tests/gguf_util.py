@@ -106,7 +106,8 @@ def block_types(cfg: ModelConfig, linear: str = "Q4_1", embedding: str = "Q8_0")
 
 
 def hf_layout(cfg: ModelConfig) -> dict[str, tuple]:
-    d, f, hq, hkv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

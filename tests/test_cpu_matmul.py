@@ -499,8 +499,8 @@ def test_avx2_kernels_pass_the_same_checks_on_an_avx512_cpu():
                            env=env, capture_output=True, text=True, cwd=here)
     assert which.stdout.strip() == "avx2", which.stdout + which.stderr[-2000:]
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", Path(__file__).name,
-                          "test_gguf_blocks.py", "test_cpu_topk.py", "-k", "matches_float64 or independent or bit_for_bit or "
-                          "attention_matches or lossless or top_k"],
+                          "test_gguf_blocks.py", "test_cpu_topk.py", "-k",
+                          "matches_float64 or independent or bit_for_bit or attention_matches or lossless or top_k"],
                          env=env, capture_output=True, text=True, cwd=here)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout

@@ -37,7 +37,8 @@ def test_reads_every_type_as_gguf_dequantize_in_hf_shape(tmp_path):
         np.testing.assert_array_equal(to_file_order(name, arr, cfg), file_content, err_msg=f"{name} ({qtype})")
         assert np.isfinite(arr).all()
     # unquantised tensors come back bit-exact, q/k included: the un-permutation inverts llama.cpp's
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight", "model.layers.1.input_layernorm.weight"):
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight",
+                 "model.layers.1.input_layernorm.weight"):
         np.testing.assert_array_equal(get(name), hf_weights[name])
     np.testing.assert_array_equal(get("model.layers.0.self_attn.k_proj.weight"),
                                   hf_weights["model.layers.0.self_attn.k_proj.weight"].astype(np.float16))
@@ -58,9 +59,11 @@ def test_f32_roundtrip_exact_with_biases_and_tied_embeddings(tmp_path):
 
 @pytest.mark.parametrize("arch,tied,types", [
     ("llama", False, MIXED_TYPES),
-    ("llama", True, {"model.layers.0.self_attn.q_proj.weight": "Q8_0", "model.layers.1.self_attn.k_proj.weight": "Q4_K"}),
+    ("llama", True, {"model.layers.0.self_attn.q_proj.weight": "Q8_0",
+                     "model.layers.1.self_attn.k_proj.weight": "Q4_K"}),
     ("qwen2", False, {"model.layers.0.self_attn.q_proj.weight": "Q4_0", "model.layers.1.mlp.up_proj.weight": "Q6_K"}),
-    ("qwen3", True, {"model.layers.0.self_attn.k_proj.weight": "Q4_1", "model.layers.1.self_attn.o_proj.weight": "Q4_K"}),
+    ("qwen3", True, {"model.layers.0.self_attn.k_proj.weight": "Q4_1",
+                     "model.layers.1.self_attn.o_proj.weight": "Q4_K"}),
 ], ids=["llama-mixed", "llama-tied", "qwen2", "qwen3"])
 def test_logits_match_transformers_gguf_loader(tmp_path, arch, tied, types):
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF files

@@ -56,7 +56,8 @@ def test_blocks_attach_beside_every_linear_and_the_embedding(tiny_gguf):
             continue
         blk = qp["layers"][group][name]["q4_1"]
         assert blk.dtype == jnp.uint8 and blk.shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 32 * 20)
-        assert qp["layers"][group][name]["q4_1_scales"].shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 16)
+        scales = qp["layers"][group][name]["q4_1_scales"]
+        assert scales.shape == (cfg.num_layers, kernel.shape[2], kernel.shape[1] // 16)
     for f, names in FUSED.items():
         group, node = f.split(".")
         blk, scales = qp["layers"][group][node]["q4_1"], qp["layers"][group][node]["q4_1_scales"]

@@ -144,12 +144,14 @@ def _fake_stdlib(root):
     doc = "Return the {} of the numbers in seq, ignoring values that are None."
     (root / "stats.py").write_text(
         "import os\n\n"
-        f"def mean(seq, skip=True):\n    \"\"\"{doc.format('mean')}\n\n    More words here.\n    \"\"\"\n    return 0\n\n"
+        f"def mean(seq, skip=True):\n    \"\"\"{doc.format('mean')}\n\n"
+        "    More words here.\n    \"\"\"\n    return 0\n\n"
         "def short(x):\n    \"\"\"Too short.\"\"\"\n\n"
         f"def _private(x):\n    \"\"\"{doc.format('private')}\"\"\"\n\n"
         f"def noargs():\n    \"\"\"{doc.format('nothing')}\"\"\"\n\n"
         "class Acc(object):\n"
-        f"    def add(self, value):\n        \"\"\"{doc.format('sum')}\n\n        Second paragraph.\n        \"\"\"\n        pass\n\n"
+        f"    def add(self, value):\n        \"\"\"{doc.format('sum')}\n\n"
+        "        Second paragraph.\n        \"\"\"\n        pass\n\n"
         f"    def reset(self):\n        \"\"\"{doc.format('reset')}\"\"\"\n\n"
         f"    @property\n    def total(self, x):\n        \"\"\"{doc.format('total')}\"\"\"\n\n"
         f"    @staticmethod\n    def scale(x):\n        \"\"\"{doc.format('scale')}\"\"\"\n")
@@ -222,7 +224,8 @@ def test_package_code_prompts_from_installed_packages(tmp_path):
     pkg.mkdir(parents=True)
     _fake_stdlib(pkg)  # the same files as a package: ids name the package; tests and private modules left out
     (pkg / "__init__.py").write_text('def top(a, b):\n    """Return a joined with b, separated by one space each."""\n')
-    (pkg / "_vendored.py").write_text('def hidden(a):\n    """Return a joined with b, separated by one space each."""\n')
+    (pkg / "_vendored.py").write_text(
+        'def hidden(a):\n    """Return a joined with b, separated by one space each."""\n')
     (tmp_path / "site" / "single.py").write_text("x = 1\n")
     items = C.package_functions(["fakelib"], paths=[str(tmp_path / "site")])
     assert [p["id"] for p in items] == ["pkg-fakelib.top", "pkg-fakelib.idlelib.helper", "pkg-fakelib.pkg.helper",

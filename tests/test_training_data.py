@@ -208,7 +208,8 @@ def test_truncation_and_drop(tiny_tok, capsys):
     assert np.array_equal(cut["input_ids"], full["input_ids"][:first + 2])
     assert D.tokenize_conversation(tiny_tok, msgs, first) is None
     stats = {}
-    convs = [{"id": "a", "messages": msgs}, {"id": "b", "messages": msgs[:1] + [{"role": "assistant", "content": "w13"}]}]
+    convs = [{"id": "a", "messages": msgs},
+             {"id": "b", "messages": msgs[:1] + [{"role": "assistant", "content": "w13"}]}]
     exs = D.tokenize_conversations(tiny_tok, convs, first, stats=stats)
     assert exs == [] and stats["dropped_too_long"] == 2
     assert "dropped 2 conversation(s)" in capsys.readouterr().err

@@ -135,7 +135,8 @@ def test_kernels_lower_for_tpu_and_gpu(backend, platform, t, d, dtype):
 
     b, h, kvh, s = 1, 8, 2, 1000
     shapes = [((b, t, h, d), dtype), ((b, s, kvh, d), dtype), ((b, s, kvh, d), dtype), ((b,), jnp.int32),
-              ((b, t, kvh, d), dtype), ((b, t, kvh, d), dtype), ((b, t, (t + 31) // 32), jnp.int32), ((b, t), jnp.int32)]
+              ((b, t, kvh, d), dtype), ((b, t, kvh, d), dtype), ((b, t, (t + 31) // 32), jnp.int32),
+              ((b, t), jnp.int32)]
     fn = jax.jit(lambda *a: tree_attention(*a, impl="pallas", backend=backend))
     if backend == "tpu" and d % 128:
         with pytest.raises(ValueError, match="head_dim % 128"):

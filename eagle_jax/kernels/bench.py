@@ -143,8 +143,8 @@ def main(argv=None) -> int:
             rows.append(bench_case(t, length, cache=args.cache, heads=args.heads, kv_heads=args.kv_heads,
                                    head_dim=args.head_dim, batch=args.batch, dtype=jnp.dtype(args.dtype),
                                    backends=backends, block_k=args.block_k, reps=args.reps))
-            print(f"[kernel-bench] T={t} L={length}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in rows[-1]["ms"].items()),
-                  file=sys.stderr, flush=True)
+            times = ", ".join(f"{k} {v:.3f} ms" for k, v in rows[-1]["ms"].items())
+            print(f"[kernel-bench] T={t} L={length}: " + times, file=sys.stderr, flush=True)
     table = markdown(rows)
     from ..bench import machine_info
 

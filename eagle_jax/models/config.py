@@ -177,7 +177,8 @@ class ModelConfig:
         layer_types = d.get("layer_types")
         if layer_types and any(t != "full_attention" for t in layer_types):
             if family != "mistral":
-                raise UnsupportedConfigError(f"layer_types other than full_attention are not supported: {set(layer_types)}")
+                raise UnsupportedConfigError(
+                    f"layer_types other than full_attention are not supported: {set(layer_types)}")
 
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope = dict(rope)

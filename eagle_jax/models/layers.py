@@ -226,7 +226,8 @@ class KernelDense(nn.Module):
                                 self.param_dtype)
             y = matmul(x.astype(self.dtype), kernel.astype(self.dtype), max_rows=self.max_rows).astype(self.dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+            y = y + bias.astype(self.dtype)
         return y
 
 

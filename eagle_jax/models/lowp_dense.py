@@ -78,7 +78,8 @@ class LowpDense(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
         y = lowp_matmul(x.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+            y = y + bias.astype(self.dtype)
         return y
 
 

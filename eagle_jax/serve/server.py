@@ -55,7 +55,8 @@ class ServeOptions:
     attention: str = "reference"
     layers: str = "auto"  # target layers: unroll | scan | auto (Engine's `layers`)
     matmul: str = "auto"  # weight products: cpu_kernel | xla | auto (Engine's `matmul`)
-    draft_rows: str = "auto"  # the head's CPU-kernel rows (Engine's): auto | b16 | i8 | q8_0x8 | q4_1x8 | q8_0 | q4_1 | f16
+    # the head's CPU-kernel rows (Engine's): auto | b16 | i8 | q8_0x8 | q4_1x8 | q8_0 | q4_1 | f16
+    draft_rows: str = "auto"
     activations: str = "auto"  # the target's few-row products on float32 or int8 rows of x: auto | float32 | int8
     prefill_chunk: object = None  # Engine's `prefill_chunk`: N, (big, tail) or None (its default)
     max_cache_len: int = SERVING_CACHE_LEN

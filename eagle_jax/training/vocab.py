@@ -33,7 +33,8 @@ def count_tokens(examples: Iterable, vocab_size: int, assistant_only: bool = Tru
 
 
 def build_draft_vocab(token_counts: Union[np.ndarray, Iterable], draft_vocab_size: int,
-                      always_include: Sequence[int] = (), vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      always_include: Sequence[int] = (),
+                      vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(d2t [Vd] int32, t2d [V] bool): the `draft_vocab_size` most frequent target tokens.
 
     token_counts: counts [V] (e.g. from `count_tokens`), or an iterable of token-id arrays (then
