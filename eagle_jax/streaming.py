@@ -116,8 +116,10 @@ class IncrementalText:
     """Detokenise a growing list of ids into text deltas, with stop strings.
 
     `push(ids)` → (delta, stopped). The text is always `decode(all ids)`; a delta is held back while
-    it ends in an incomplete character (U+FFFD) or could be the start of a stop string. When a stop
-    string appears, the text is cut before it and `stopped` is True.
+    it ends in incomplete characters (U+FFFD: byte-fallback tokenizers give one per byte token of a
+    character not yet complete) or could be the start of a stop string. When a stop string appears,
+    the text is cut before it and `stopped` is True; `tokens_used` then counts the ids up to the one
+    that completed it (what a decoder that stops there would have produced), not those after it.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
@@ -126,19 +128,34 @@ class IncrementalText:
         self.ids: list[int] = []
         self.text = ""  # emitted so far
         self.stopped = False
+        self._used = 0  # ids up to the one that completed the stop string (once stopped)
+
+    @property
+    def tokens_used(self) -> int:
+        """The ids that count: up to and including the one that completed a stop string, else all."""
+        return self._used if self.stopped else len(self.ids)
+
+    def _find_stop(self, text: str, start: int) -> int:
+        """Where the first stop string in `text` (searched from about `start`) begins; -1 if none."""
+        found = [at for s in self.stop if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        return min(found, default=-1)
 
     def push(self, ids: Sequence[int], final: bool = False) -> tuple[str, bool]:
         if self.stopped:
             return "", True
+        before = len(self.ids)
         self.ids.extend(ids)
         full = self.decode(self.ids)
-        for s in self.stop:
-            at = full.find(s, max(0, len(self.text) - len(s) + 1))
-            if at >= 0:
-                full, self.stopped = full[:at], True
+        if self._find_stop(full, len(self.text)) >= 0:
+            # Stop where a decoder checking after every id would have: at the fewest ids whose text
+            # holds a stop string (the earlier ids' text held none), cut before its first one there.
+            self._used = next((n for n in range(before + 1, len(self.ids))
+                               if self._find_stop(self.decode(self.ids[:n]), len(self.text)) >= 0), len(self.ids))
+            if self._used < len(self.ids):
+                full = self.decode(self.ids[:self._used])
+            full, self.stopped = full[:self._find_stop(full, len(self.text))], True
         if not (final or self.stopped):
-            if full.endswith("\ufffd"):
-                full = full[:-1]
+            full = full.rstrip("\ufffd")
             hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
             full = full[:len(full) - hold]
         if not full.startswith(self.text):

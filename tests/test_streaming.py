@@ -106,3 +106,43 @@ def test_incremental_text_without_stop_and_final_flush():
     inc = IncrementalText(lambda ids: "".join(chr(i) for i in ids).replace("#", "\ufffd"))
     assert inc.push([ord("a"), ord("#")]) == ("a", False)  # incomplete character held back
     assert inc.push([], final=True) == ("\ufffd", False)
+
+
+def test_incremental_text_tokens_used_stops_at_the_stop_string():
+    inc = IncrementalText(_fake_decode, stop=["END", "q"])
+    assert inc.push([ord(c) for c in "ab"]) == ("ab", False) and inc.tokens_used == 2  # no stop: every id
+    d, stopped = inc.push([ord(c) for c in "cENDxyz"])  # one speculative step runs past the stop
+    assert (d, stopped) == ("c", True) and inc.tokens_used == 6 and len(inc.ids) == 9  # up to the "D"
+    inc = IncrementalText(_fake_decode, stop=["abcd", "c"])
+    inc.push([ord(c) for c in "xabcdy"])  # "c" completes before "abcd" does: a decoder stops there
+    assert (inc.text, inc.tokens_used) == ("xab", 4)
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style BPE with byte fallback (as Llama-2/Mistral GGUFs): characters outside the
+    vocabulary become one <0xNN> token per UTF-8 byte, each decoding to U+FFFD until complete."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for t in ["▁", "x", "▁x", "y"]:
+        vocab[t] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok, lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("per_push", [1, 2])
+def test_incremental_text_byte_fallback_multibyte_characters(per_push):
+    tok, decode = _byte_fallback_tokenizer()
+    ids = tok.encode("x你好😀y").ids
+    assert decode(ids) == "x你好😀y" and len(ids) == 13  # 3 + 3 + 4 byte tokens
+    inc, deltas = IncrementalText(decode), []
+    for i in range(0, len(ids), per_push):
+        deltas.append(inc.push(ids[i:i + per_push], final=i + per_push >= len(ids))[0])
+    assert "".join(deltas) == decode(ids) and not any("\ufffd" in d for d in deltas)
+    # a stop string right after the emoji: the text before it, whole
+    inc = IncrementalText(decode, stop=["y"])
+    out = "".join(inc.push(ids[i:i + per_push])[0] for i in range(0, len(ids), per_push))
+    assert (out, inc.stopped, inc.tokens_used) == ("x你好😀", True, len(ids))

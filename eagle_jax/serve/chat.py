@@ -3,8 +3,9 @@
 Each answer streams token by token; after it, a status line shows tokens, tokens/s and tau (mean
 tokens per target pass). The decoding programs are compiled before the first prompt (said on
 stderr), so no answer's tokens/s counts the compile. The conversation is kept (the chat template
-sees every turn) until it would no longer fit the cache, when the oldest turns are dropped.
-Commands: `/reset` starts over, `/exit` (or Ctrl-D) quits.
+sees every turn) until it would no longer fit the cache, when the oldest turns are dropped; the
+system prompt (`--system`) is kept. Commands: `/reset` starts over (with the same system prompt),
+`/exit` (or Ctrl-D) quits.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ HELP = "commands: /reset (new conversation), /exit (or Ctrl-D)"
 
 
 def _fit(engine, history: list[dict], max_new_tokens: int) -> tuple[list[int], list[dict]]:
-    """Token ids of the conversation, oldest turns dropped until prompt + answer fit the cache."""
+    """Token ids of the conversation, oldest turns dropped until prompt + answer fit the cache.
+
+    A leading system message is kept; what follows it still starts with a user turn (templates
+    that want user/assistant alternation refuse anything else), and the last turn is always kept."""
+    head = history[:1] if history and history[0]["role"] == "system" else []
+    turns = history[len(head):]
     while True:
-        ids = engine.encode(history)
-        if len(ids) + max_new_tokens <= engine.max_cache_len or len(history) <= 1:
-            return ids, history
-        history = history[2:] if len(history) > 2 else history[1:]
+        ids = engine.encode(head + turns)
+        if len(ids) + max_new_tokens <= engine.max_cache_len or len(turns) <= 1:
+            return ids, head + turns
+        turns = turns[1:]
+        while len(turns) > 1 and turns[0]["role"] != "user":
+            turns = turns[1:]
 
 
 def run_chat(engine, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -50,13 +58,14 @@ def run_chat(engine, *, max_new_tokens: int = 256, temperature: float = 0.0, top
         if text in ("/exit", "/quit"):
             return 0
         if text == "/reset":
-            history = history[:1] if system else []
+            history = [{"role": "system", "content": system}] if system else []
             print("[conversation cleared]", file=err, flush=True)
             continue
         history.append({"role": "user", "content": text})
         ids, history = _fit(engine, history, max_new_tokens)
         if len(ids) + 1 > engine.max_cache_len:
-            print(f"[that message alone has {len(ids)} tokens, more than the cache of {engine.max_cache_len}]",
+            alone = "with the system prompt" if system else "alone"
+            print(f"[that message {alone} has {len(ids)} tokens, more than the cache of {engine.max_cache_len}]",
                   file=err, flush=True)
             history.pop()
             continue

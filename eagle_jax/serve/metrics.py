@@ -22,10 +22,11 @@ class ServerMetrics:
         self.finished = Counter("eagle_jax_generations", "Finished generations by finish reason", ["reason"],
                                 registry=r)
         self.prompt_tokens = Counter("eagle_jax_prompt_tokens", "Prompt tokens of finished generations", registry=r)
-        self.generation_tokens = Counter("eagle_jax_generation_tokens", "Generated tokens", registry=r)
+        self.generation_tokens = Counter("eagle_jax_generation_tokens",
+                                         "Completion tokens (up to a stop string, as billed)", registry=r)
         self.target_calls = Counter("eagle_jax_target_calls",
                                     "Target forward passes that produced tokens (prefill's included)", registry=r)
-        self.tau = Gauge("eagle_jax_tau", "Mean acceptance length: generation tokens / target calls, since start",
+        self.tau = Gauge("eagle_jax_tau", "Mean acceptance length: tokens produced / target calls, since start",
                          registry=r)
         self.accept_length = Histogram("eagle_jax_accept_length", "Tokens produced per target pass",
                                        buckets=tuple(range(1, max_accept + 1)), registry=r)
@@ -49,7 +50,7 @@ class ServerMetrics:
         if s is not None:
             calls = s.target_calls
             self.target_calls.inc(calls)
-            self._tokens += job.completion_tokens
+            self._tokens += job.generated_tokens  # every token the calls made, past a stop string too
             self._calls += calls
             if self._calls:
                 self.tau.set(self._tokens / self._calls)

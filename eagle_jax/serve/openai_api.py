@@ -20,6 +20,9 @@ ROLES = ("system", "user", "assistant", "developer")
 UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
 UNSUPPORTED_TRUTHY = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "functions", "logit_bias",
                       "response_format", "suffix")
+# ... except for the values that are OpenAI's own defaults, which change nothing: accepted.
+NOOP_VALUES = {"best_of": 1, "response_format": {"type": "text"}}
+MAX_TOP_K = 2 ** 31 - 1  # the device takes top_k as an int32
 
 
 class APIError(Exception):
@@ -91,7 +94,10 @@ def _common(body: dict, kind: str) -> GenRequest:
         if v is not None and (not _is_num(v) or v != 0):
             raise APIError(f"'{f}' is not supported (it would change the target's distribution); omit it or send 0", f)
     for f in UNSUPPORTED_TRUTHY:
-        if body.get(f) not in (None, False, [], {}, "") and not (f == "logprobs" and body.get(f) == 0):
+        v = body.get(f)
+        if f in NOOP_VALUES and type(v) is type(NOOP_VALUES[f]) and v == NOOP_VALUES[f]:
+            continue
+        if v not in (None, False, [], {}, "") and not (f == "logprobs" and v == 0):
             raise APIError(f"'{f}' is not supported by this server", f)
 
     mt_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
@@ -110,7 +116,8 @@ def _common(body: dict, kind: str) -> GenRequest:
     p = _field(body, "top_p", _is_num, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
     if p is not None:
         req.top_p = float(p)
-    k = _field(body, "top_k", _is_int, "an integer", lambda v: v >= -1, ">= 0 (or -1 for off)")
+    k = _field(body, "top_k", _is_int, "an integer", lambda v: -1 <= v <= MAX_TOP_K,
+               f"between 0 and {MAX_TOP_K} (0 or -1: off)")
     if k is not None:
         req.top_k = max(k, 0)
     s = body.get("seed")

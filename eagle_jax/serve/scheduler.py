@@ -55,8 +55,16 @@ class Job:
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     @property
-    def completion_tokens(self) -> int:
+    def generated_tokens(self) -> int:
+        """Every token the device produced (a speculative step may run past a stop string)."""
         return len(self.stream.tokens) if self.stream is not None else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens billed: a stopped text counts up to the token that completed its stop string."""
+        if self.text is not None and self.text.stopped:
+            return self.text.tokens_used
+        return self.generated_tokens
 
     def cancel(self):
         """Ask the worker to drop this job at its next turn (safe from any thread)."""

@@ -8,7 +8,8 @@ model, the drafter and the tree budget load and every cache bucket's compiled sh
 then 200 `{"status": "ok"}`. Requests go to the `Scheduler` (FIFO, round-robin over up to
 `max_active` generations); a client that disconnects cancels its generation; SIGTERM stops
 accepting connections, lets in-flight requests finish for `shutdown_timeout` seconds, then cancels
-what is left. Bad input gets HTTP 400 with `{"error": {"message", "type", "param", "code"}}`.
+what is left. Bad input gets HTTP 400 with `{"error": {"message", "type", "param", "code"}}` (an
+unknown model 404 `model_not_found`); any unexpected failure a 500 of the same shape.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 import anyio
+import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -156,11 +158,15 @@ class ServerState:
     def make_job(self, req: api.GenRequest) -> Job:
         if req.model is not None and req.model not in (self.model_name, self.opts.model):
             raise api.APIError(f"the model {req.model!r} does not exist on this server; it serves "
-                               f"{self.model_name!r}", "model", code="model_not_found")
+                               f"{self.model_name!r}", "model", status=404, code="model_not_found")
         e = self.engine
         param = "messages" if req.kind == "chat" else "prompt"
         if req.kind == "chat":
-            ids = e.encode(req.messages)
+            try:
+                ids = e.encode(req.messages)
+            except (jinja2.TemplateError, ValueError) as ex:  # the template's raise_exception, or no template
+                raise api.APIError(f"the model's chat template cannot render these messages: {ex}", "messages") \
+                    from None
         elif isinstance(req.prompt, str):
             ids = e.encode(req.prompt, raw=True)
         else:
@@ -299,7 +305,7 @@ def create_app(state: ServerState) -> Starlette:
         s = job.stream
         calls = s.target_calls if s is not None else 0
         return {"method": state.method, "target_calls": calls,
-                "tau": round(job.completion_tokens / calls, 4) if calls else 0.0,
+                "tau": round(job.generated_tokens / calls, 4) if calls else 0.0,
                 "accept_lengths": s.accept_lengths if s is not None else []}
 
     async def _collect(request: Request, job: Job, req: api.GenRequest, rid: str):
@@ -403,6 +409,14 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse({"error": {"message": msg, "type": typ, "param": None, "code": None}},
                             status_code=exc.status_code)
 
+    async def server_error(request: Request, exc: Exception):
+        """Any other failure: an OpenAI-shaped 500. No traceback goes to the client; Starlette re-raises
+        the exception after this answer, so the server logs it."""
+        if request.url.path in ("/v1/chat/completions", "/v1/completions"):
+            count(request.url.path, 500)
+        return JSONResponse({"error": {"message": "internal server error; the server log has the details",
+                                       "type": "server_error", "param": None, "code": None}}, status_code=500)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         loader = threading.Thread(target=state.load, name="eagle_jax-load", daemon=True)
@@ -417,7 +431,8 @@ def create_app(state: ServerState) -> Starlette:
               Route("/v1/models/{name:path}", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
 def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, engine=None,
