@@ -66,6 +66,18 @@ def test_unsupported_config_is_rejected(qwen2, field, value, msg):
         ModelConfig.from_hf_config(d)
 
 
+def test_rope_scaling_with_both_type_spellings():
+    """transformers keeps the legacy "type" beside "rope_type" when it fills one in from the other."""
+    d = make_hf_model("llama_bias_untied").config.to_diff_dict()
+    d.pop("rope_parameters", None)
+    d["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": 2.0}
+    assert ModelConfig.from_hf_config(d).rope_scaling.kind == "linear"
+    assert ModelConfig.from_hf_config(d).rope_scaling.factor == 2.0
+    d["rope_scaling"] = {"type": "linear", "rope_type": "llama3", "factor": 2.0}
+    with pytest.raises(UnsupportedConfigError, match="names two types: linear and llama3"):
+        ModelConfig.from_hf_config(d)
+
+
 def test_hf_config_round_trip():
     for name in ["llama", "llama_bias_untied", "qwen2", "qwen3", "mistral"]:
         cfg = ModelConfig.from_hf_config(make_hf_model(name).config.to_diff_dict())

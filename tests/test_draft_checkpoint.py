@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pickle
+import warnings
 import zipfile
 
 import jax
@@ -377,7 +378,8 @@ def test_export_uses_reference_names_shapes_and_config(tmp_path, kind):
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == VD
         assert "eagle_aux_hidden_state_layer_ids" not in cfg  # default layers: every server agrees
     else:
-        assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["bias"] is True
+        # fc bias: "bias" left out (ea_model defaults it to true; vLLM/SGLang would read true as attention bias)
+        assert cfg["architectures"] == ["LlamaForCausalLM"] and "bias" not in cfg
     with pytest.raises(ValueError, match="safetensors only"):
         save_drafter(tmp_path / "b", head, TARGET, format="bin")
 
@@ -388,7 +390,7 @@ def test_export_uses_reference_names_shapes_and_config(tmp_path, kind):
 def test_fused_layer_ids_follow_vllm_and_specforge_conventions(tmp_path, field, ids, want):
     path = _safetensors_head(tmp_path, config_edit=lambda c: c.update({field: ids}))
     assert load_drafter(path, TARGET).cfg.target_layers == want
-    assert load_drafter(path, TARGET, target_layers=(2, 2, 2)).cfg.target_layers == (2, 2, 2)
+    assert load_drafter(path, TARGET, target_layers=(1, 2, 4)).cfg.target_layers == (1, 2, 4)
 
 
 def test_widened_head_computes_the_same_and_round_trips(tmp_path):
@@ -417,3 +419,94 @@ def test_widened_head_computes_the_same_and_round_trips(tmp_path):
     np.testing.assert_allclose(logits(load), logits(head), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="narrow"):
         widen_mlp(head, INTER - 1, jax.random.PRNGKey(1))
+
+
+# ------------------------------------------------------------------------ interchange with the servers / EAGLE
+def _servers_attention_bias(cfg: dict) -> bool:
+    """vLLM / SGLang `models/llama.py` LlamaDecoderLayer: `attention_bias or bias`."""
+    return bool(cfg.get("attention_bias", False) or cfg.get("bias", False))
+
+
+@pytest.mark.parametrize("fc_bias", [True, False])
+def test_eagle1_bias_key_is_not_read_as_attention_bias(tmp_path, fc_bias):
+    head = init_head(DraftConfig.for_target("eagle1", TARGET, fc_bias=fc_bias), jax.random.PRNGKey(0))
+    path = save_drafter(tmp_path / "h", head, TARGET)
+    cfg = json.loads((path / "config.json").read_text())
+    assert not _servers_attention_bias(cfg)
+    assert cfg.get("bias", True) is fc_bias  # SafeAILab ea_model: con["bias"], else True
+    assert ("fc.bias" in torch_load_safetensors(str(path / "model.safetensors"))) is fc_bias
+    assert load_drafter(path, TARGET).cfg.fc_bias is fc_bias
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_eagle1_without_bias_key_follows_the_file(tmp_path, with_bias):
+    edit = None if with_bias else (lambda sd: sd.pop("fc.bias"))
+    path = _safetensors_head(tmp_path, "eagle1", edit=edit, config_edit=lambda c: c.pop("bias"))
+    assert load_drafter(path, TARGET).cfg.fc_bias is with_bias
+
+
+def _econfig_accepts(rs) -> bool:
+    """SafeAILab/EAGLE `eagle/model/configs.py` EConfig._rope_scaling_validation (as logic)."""
+    if rs is None:
+        return True
+    f = rs.get("factor") if isinstance(rs, dict) else None
+    return len(rs) == 2 and rs.get("type") in ("linear", "dynamic") and isinstance(f, float) and f > 1.0
+
+
+def test_rope_scaling_export_reads_back_everywhere(tmp_path):
+    from transformers import LlamaConfig
+
+    from eagle_jax.models.config import RopeScaling
+
+    for i, (rs, theta, warn) in enumerate([
+            (RopeScaling("linear", 2.0), 10000.0, None),
+            (RopeScaling("linear", 2.0), THETA, "ignores rope_theta"),
+            (RopeScaling("llama3", 8.0, 1.0, 4.0, 128), THETA, "SafeAILab/EAGLE cannot load")]):
+        target = TARGET.replace(rope_scaling=rs, rope_theta=theta)
+        head = _random_head("eagle3", target, (1, 3, 5))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path = save_drafter(tmp_path / str(i), head, target)
+        msgs = [str(w.message) for w in caught]
+        assert (any(warn in m for m in msgs) if warn else not msgs), msgs
+        cfg = json.loads((path / "config.json").read_text())
+        if rs.kind == "linear":
+            assert cfg["rope_scaling"] == {"type": "linear", "factor": 2.0} and _econfig_accepts(cfg["rope_scaling"])
+        else:
+            assert cfg["rope_scaling"]["rope_type"] == "llama3" and not _econfig_accepts(cfg["rope_scaling"])
+        assert LlamaConfig(**cfg).rope_scaling["rope_type"] == rs.kind  # what vLLM / SGLang see
+        assert load_drafter(path, target).cfg == head.cfg
+
+
+def test_fused_layers_must_be_strictly_increasing(tmp_path):
+    for bad in [(4, 1, 2), (1, 2, 2)]:
+        with pytest.raises(UnsupportedConfigError, match=r"target_layers \(%d, %d, %d\) must be strictly" % bad):
+            DraftConfig.for_target("eagle3", TARGET, draft_vocab_size=VD, target_layers=bad)
+    path = _safetensors_head(tmp_path)
+    with pytest.raises(UnsupportedConfigError, match="strictly increasing"):
+        load_drafter(path, TARGET, target_layers=(4, 1, 2))
+    for field, ids in [("eagle_aux_hidden_state_layer_ids", [4, 1, 2]),
+                       ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [3, 0, 0]})]:
+        path = _safetensors_head(tmp_path / field, config_edit=lambda c: c.update({field: ids}))
+        where = "config.json " + ("eagle_config." if field == "eagle_config" else "")
+        with pytest.raises(UnsupportedConfigError, match=where):
+            load_drafter(path, TARGET)
+    head = _random_head("eagle3", TARGET, (1, 2, 4))
+    unsorted = head.replace(cfg=head.cfg.replace(target_layers=(4, 1, 2)))  # built directly, not via for_target
+    with pytest.raises(UnsupportedConfigError, match=r"\(4, 1, 2\) must be strictly increasing"):
+        save_drafter(tmp_path / "u", unsorted, TARGET)
+
+
+def test_export_spells_layer_zero_for_sglang_and_warns(tmp_path):
+    head = _random_head("eagle3", TARGET, (0, 2, 4))
+    with pytest.warns(UserWarning, match="None at layer 0"):
+        path = save_drafter(tmp_path / "h", head, TARGET)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [-1, 1, 3]}  # SGLang adds 1
+    del cfg["eagle_aux_hidden_state_layer_ids"]  # SGLang / SpecForge read only the nested ids
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_drafter(path, TARGET).cfg.target_layers == (0, 2, 4)
+    tiny = TARGET.replace(num_layers=3)  # default layers (2, 1, 0): what the servers would capture permuted
+    with pytest.warns(UserWarning, match=r"default EAGLE-3 target layers \(2, 1, 0\)"):
+        save_drafter(tmp_path / "t", _random_head("eagle3", tiny), tiny)

@@ -18,10 +18,15 @@ loaded by `eagle/model/ea_model.py` (torch.load of `pytorch_model.bin`, else `mo
   embed_tokens.weight [V, d] (frozen copy of the target's; may be absent)
   fc input is concat(embed(token), feature). config.json: LlamaConfig fields with
   num_hidden_layers 1, "architectures": ["LlamaForCausalLM"], optional "bias"
-  (`eagle/train/EAGLE-LLaMA3-Instruct-8B`). SGLang (`srt/models/llama_eagle.py`,
-  LlamaForCausalLMEagle) builds fc with a bias and prepends "model."; vLLM
-  (`model_executor/models/llama_eagle.py`, EagleLlamaForCausalLM) builds fc *without* bias and
-  reads config "bias" as attention bias, so vLLM only serves "bias": false EAGLE-1 heads.
+  (`eagle/train/EAGLE-LLaMA3-Instruct-8B`); ea_model takes a missing "bias" as true. vLLM's and
+  SGLang's llama decoder layer (`models/llama.py`) build q/k/v/o biases when `config.attention_bias
+  or config.bias`, so "bias": true there means attention biases the file lacks. SGLang
+  (`srt/models/llama_eagle.py`, LlamaForCausalLMEagle) always builds fc with a bias and prepends
+  "model."; vLLM (`model_executor/models/llama_eagle.py`, EagleLlamaForCausalLM) always builds fc
+  *without* one (a file's fc.bias is skipped). So SGLang serves EAGLE-1 heads with an fc bias, vLLM
+  those without; export leaves "bias" out when fc has a bias and writes "bias": false otherwise.
+  rope_scaling: EAGLE's EConfig accepts only {"type": linear|dynamic, "factor" > 1} (export writes
+  linear so; llama3 stays in the HF form, with a warning that EAGLE cannot load it).
 
 EAGLE-3 head — SafeAILab/EAGLE `eagle/model/cnets.py` (`Model`, `LlamaDecoderLayeremb`),
 sgl-project/SpecForge `specforge/modeling/draft/llama3_eagle.py` (`LlamaForCausalLMEagle3`):
@@ -37,7 +42,9 @@ sgl-project/SpecForge `specforge/modeling/draft/llama3_eagle.py` (`LlamaForCausa
   "target_hidden_size", "head_dim". EAGLE's own ea_model drops d2t/t2d when Vd == V.
   vLLM `llama_eagle3.py` renames midlayer. → layers.0., loads d2t as draft_id_to_target_id and
   skips t2d; SGLang `llama_eagle3.py` reads d2t (hot_token_id = d2t + arange), skips t2d, and
-  builds fc with bias = config "bias" and ties lm_head to the embedding if tie_word_embeddings.
+  builds fc with bias = config "bias" (which, through llama.py, also gives o_proj a bias; q/k/v are
+  rebuilt without) and ties lm_head to the embedding if tie_word_embeddings. Both servers append the
+  aux hidden states while walking the target's layers: fc's input is in ascending layer order.
   Fused target layers: vLLM reads top-level "eagle_aux_hidden_state_layer_ids" (then
   eagle_config.eagle_aux_hidden_state_layer_ids; gpu_model_runner `_get_eagle3_aux_layers_from_config`)
   as HF hidden_states indices (input of layer id); SpecForge (`algorithms/model_providers.py`,
@@ -45,8 +52,9 @@ sgl-project/SpecForge `specforge/modeling/draft/llama3_eagle.py` (`LlamaForCausa
   eagle_config ids as "output of layer id" = hidden_states[id+1]. Both defaults are hidden_states
   [2, N//2, N-3] = `default_target_layers`.
 
-Here: top-level ids are taken as hidden_states indices, nested eagle_config ids get +1; export
-writes both (nested = top-level - 1) only when the layers are not the default.
+Here: top-level ids are taken as hidden_states indices, nested eagle_config ids get +1; ids must be
+strictly increasing (load and export refuse others). Export writes both (nested = top-level - 1,
+so hidden_states[0] is nested -1) only when the layers are not the default.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ import collections
 import io
 import json
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -65,7 +74,7 @@ import numpy as np
 
 from ..models.checkpoint import CheckpointError, read_safetensors_dir
 from ..models.config import ModelConfig, UnsupportedConfigError
-from .config import DraftConfig, default_target_layers
+from .config import DraftConfig, check_target_layers, default_target_layers
 from .heads import DraftHead, init_head
 
 __all__ = ["load_drafter", "save_drafter", "load_torch_state_dict", "drafter_state_dict", "drafter_hf_config",
@@ -259,10 +268,11 @@ def _detect_kind(hf: Mapping, names) -> str:
 def _target_layers_from_hf(hf: Mapping, target_cfg: ModelConfig):
     ids = hf.get("eagle_aux_hidden_state_layer_ids")
     if ids:  # vLLM convention: HF hidden_states index (input of layer id)
-        return tuple(int(i) for i in ids)
+        return check_target_layers(ids, "config.json eagle_aux_hidden_state_layer_ids")
     nested = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested:  # SpecForge / SGLang convention: output of layer id = hidden_states[id + 1]
-        return tuple(int(i) + 1 for i in nested)
+        nested = check_target_layers(nested, "config.json eagle_config.eagle_aux_hidden_state_layer_ids")
+        return tuple(i + 1 for i in nested)
     return default_target_layers(target_cfg.num_layers)
 
 
@@ -309,7 +319,8 @@ def draft_config_from_hf(hf: Mapping, target_cfg: ModelConfig, *, kind: Optional
         if th != target_cfg.hidden_size:
             raise CheckpointError(f"EAGLE-3 head fuses target features of width {th}, the target's hidden size is "
                                   f"{target_cfg.hidden_size}")
-        layers = tuple(target_layers) if target_layers is not None else _target_layers_from_hf(eagle, target_cfg)
+        layers = (check_target_layers(target_layers) if target_layers is not None
+                  else _target_layers_from_hf(eagle, target_cfg))
         bad = [i for i in layers if not 0 <= i <= target_cfg.num_layers]
         if bad:
             raise CheckpointError(f"EAGLE-3 target layer(s) {bad} outside the target's hidden states "
@@ -323,11 +334,25 @@ def draft_config_from_hf(hf: Mapping, target_cfg: ModelConfig, *, kind: Optional
 
 
 def _rope_scaling_field(layer: ModelConfig):
+    """config.json "rope_scaling". Linear is written in the legacy two-key form {"type", "factor"}:
+    SafeAILab/EAGLE's EConfig (`eagle/model/configs.py` `_rope_scaling_validation`) accepts only that
+    ("type" linear/dynamic, float factor > 1) and `cnets.py` reads rope_scaling["type"]; transformers
+    maps "type" to "rope_type" and vLLM / SGLang `get_rope` read either. llama3 scaling keeps the HF
+    form (transformers, vLLM, SGLang) with a warning: SafeAILab/EAGLE cannot load it."""
     rs = layer.rope_scaling
     if rs.kind == "default":
         return None
     if rs.kind == "linear":
-        return {"rope_type": "linear", "factor": rs.factor}
+        if rs.factor <= 1.0:
+            warnings.warn(f"linear rope scaling factor {rs.factor} <= 1: SafeAILab/EAGLE's EConfig refuses it "
+                          f"(it needs a factor > 1); vLLM / SGLang / transformers accept it", stacklevel=4)
+        if layer.rope_theta != 10000.0:
+            warnings.warn(f"SafeAILab/EAGLE builds its linear-scaled RoPE with base 10000 and ignores rope_theta "
+                          f"{layer.rope_theta:g}: this head computes other positions there", stacklevel=4)
+        return {"type": "linear", "factor": float(rs.factor)}
+    warnings.warn(f"rope_scaling of type {rs.kind!r} is written in the Hugging Face form (transformers, vLLM and "
+                  f"SGLang read it); SafeAILab/EAGLE cannot load this head (its EConfig accepts only "
+                  f"{{'type': 'linear'|'dynamic', 'factor'}})", stacklevel=4)
     return {"rope_type": rs.kind, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
             "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings}
@@ -349,20 +374,33 @@ def drafter_hf_config(head: DraftHead, target_cfg: ModelConfig, dtype: Optional[
         "rope_theta": lc.rope_theta, "rope_scaling": _rope_scaling_field(lc), "pretraining_tp": 1,
         # EAGLE-3 has its own lm_head: SGLang would tie it to the embedding if this were true.
         "tie_word_embeddings": False if cfg.kind == "eagle3" else target_cfg.tie_word_embeddings,
-        "attention_bias": bool(lc.o_bias), "mlp_bias": bool(lc.mlp_bias), "bias": bool(cfg.fc_bias),
-        "torch_dtype": dtype or lc.dtype,
+        "attention_bias": bool(lc.o_bias), "mlp_bias": bool(lc.mlp_bias), "torch_dtype": dtype or lc.dtype,
     }
+    # vLLM's and SGLang's llama decoder layer build q/k/v/o biases when `attention_bias or bias`, so an
+    # EAGLE-1 fc bias is spelled by leaving "bias" out (SafeAILab's ea_model then defaults it to true).
+    if cfg.kind == "eagle3" or not cfg.fc_bias:
+        d["bias"] = bool(cfg.fc_bias)
     if lc.qkv_bias and not lc.o_bias:
         d["qkv_bias"] = True
     if cfg.kind == "eagle3":
         d["draft_vocab_size"] = cfg.draft_vocab_size
         if cfg.target_hidden_size not in (None, lc.hidden_size):
             d["target_hidden_size"] = cfg.target_hidden_size
-        layers = tuple(cfg.target_layers)
-        if layers != tuple(default_target_layers(target_cfg.num_layers)):
+        n, layers = target_cfg.num_layers, tuple(cfg.target_layers)
+        if layers == tuple(default_target_layers(n)):
+            if any(b <= a for a, b in zip(layers, layers[1:])):
+                warnings.warn(f"the default EAGLE-3 target layers {layers} of a {n}-layer target are not strictly "
+                              f"increasing: vLLM / SGLang capture each once, in ascending order, and cannot serve "
+                              f"this head", stacklevel=3)
+        else:
+            check_target_layers(layers, "EAGLE-3 target_layers")
             d["eagle_aux_hidden_state_layer_ids"] = list(layers)
-            if min(layers) >= 1:
-                d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]}
+            # SpecForge / SGLang ids are "output of layer id": hidden_states[0] (the embeddings) is -1.
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]}
+            if layers[0] < 1 or layers[-1] > n - 1:
+                warnings.warn(f"EAGLE-3 target layers {layers}: vLLM's and SGLang's llama.py capture the input of "
+                              f"layer i (i < {n}) as hidden_states + residual, which is None at layer 0 and never "
+                              f"reaches hidden_states[{n}]: they may not serve this head", stacklevel=3)
     return d
 
 
@@ -428,7 +466,9 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
     names, get = _read_weights(path)
     kind = kind or _detect_kind(hf, names)
     files = _canonical_names(names, kind)
-    fc_bias = ("fc.bias" in files) if kind == "eagle3" else None
+    # EAGLE-3: fc has a bias iff the file has one. EAGLE-1: config "bias" decides (a mismatch is an error
+    # below); without the key, the file decides too (ea_model's default of true needs the tensor anyway).
+    fc_bias = ("fc.bias" in files) if kind == "eagle3" or "bias" not in hf else None
     cfg = draft_config_from_hf(hf, target_cfg, kind=kind, fc_bias=fc_bias, target_layers=target_layers, dtype=dtype)
     lc = cfg.layer
     if lc.vocab_size != target_cfg.vocab_size:
@@ -522,6 +562,11 @@ def save_drafter(path, head: DraftHead, target_cfg: ModelConfig, format: str = "
 
     `dtype` ("float32"/"bfloat16"/"float16") is the storage dtype (default: the head's). Only
     safetensors is written (what vLLM / SGLang / EAGLE's ea_model read); `.bin` would need torch.
+    EAGLE-1 fc bias: vLLM's `llama_eagle.py` builds fc *without* a bias and skips a file's fc.bias
+    (drafts then miss it, silently), SGLang's `llama_eagle.py` always builds one (left at torch's
+    random init when the file has none): train `DraftConfig.for_target("eagle1", ..., fc_bias=False)`
+    for vLLM, keep the default fc_bias=True for SGLang and SafeAILab/EAGLE. Warns (`UserWarning`)
+    when the config is one a server or SafeAILab/EAGLE cannot run as written (module docstring).
     """
     from safetensors.numpy import save_file
 

@@ -16,8 +16,22 @@ KINDS = ("eagle1", "eagle3", "oracle")
 
 
 def default_target_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high capture points: the inputs of target layers 2, N//2 and N-3."""
+    """EAGLE-3's low/mid/high capture points: the inputs of target layers 2, N//2 and N-3 (the
+    vLLM / SGLang default; strictly increasing only for N >= 7, tiny test targets get e.g. (2, 1, 0))."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def check_target_layers(layers, what: str = "EAGLE-3 target_layers") -> tuple[int, ...]:
+    """`layers` as a tuple of ints, refused unless strictly increasing: vLLM and SGLang capture the
+    aux hidden states while walking the target's layers, so fc's input columns are always in
+    ascending layer order (a permuted or repeated id would feed fc the wrong features)."""
+    layers = tuple(int(i) for i in layers)
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise UnsupportedConfigError(
+            f"{what} {layers} must be strictly increasing: vLLM and SGLang append the captured hidden states "
+            f"in ascending layer order, so fc's input columns follow that order (use {tuple(sorted(set(layers)))} "
+            f"and train the head for it)")
+    return layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +42,10 @@ class DraftConfig:
       `vocab_size` is the target's vocabulary.
     fc_bias: EAGLE-1's fc(2d→d) has a bias in the released heads; EAGLE-3's fc(3d→d) has none.
     draft_vocab_size: EAGLE-3 only; the head predicts over this many of the target's tokens.
-    target_layers: EAGLE-3 only; HF hidden_states indices fused by fc (inputs of those layers).
+    target_layers: EAGLE-3 only; HF hidden_states indices fused by fc (inputs of those layers), in
+      fc's column order. Explicit ones (`for_target`, a checkpoint's config.json, `load_drafter`'s
+      override) must be strictly increasing (`check_target_layers`); only the default of a tiny
+      target (N < 7) may not be, and `save_drafter` warns that servers cannot run such a head.
     target_hidden_size: the target's hidden size (EAGLE-3 fc input is 3× this).
     """
 
@@ -85,7 +102,8 @@ class DraftConfig:
                                sliding_window=None, family="llama",
                                intermediate_size=intermediate_size or target.intermediate_size)
         if kind == "eagle3":
+            layers = check_target_layers(target_layers) if target_layers else default_target_layers(target.num_layers)
             return cls("eagle3", layer, fc_bias=bool(fc_bias), draft_vocab_size=draft_vocab_size or target.vocab_size,
-                       target_layers=tuple(target_layers or default_target_layers(target.num_layers)),
+                       target_layers=layers,
                        target_hidden_size=target.hidden_size)
         return cls("eagle1", layer, fc_bias=True if fc_bias is None else fc_bias)

@@ -183,7 +183,11 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope = dict(rope)
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
-        kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        # "type" is the older spelling; a config that went through transformers can carry both
+        kinds = {str(rope.pop(k)) for k in ("rope_type", "type") if rope.get(k) is not None}
+        if len(kinds) > 1:
+            raise UnsupportedConfigError(f"rope scaling names two types: {' and '.join(sorted(kinds))}")
+        kind = kinds.pop() if kinds else "default"
         unknown_rope = sorted(set(rope) - {"factor", "low_freq_factor", "high_freq_factor",
                                            "original_max_position_embeddings"})
         if unknown_rope:
