@@ -107,3 +107,30 @@ def test_warm_start_keeps_or_rebuilds_draft_vocab(tiny_hf_dir, tmp_path, rng, ca
         np.testing.assert_array_equal(w[:, j], old_w[:, int(np.flatnonzero(old_ids == new_ids[j])[0])])
     assert np.all(np.linalg.norm(w, axis=0) > 0)
     np.testing.assert_array_equal(np.asarray(params["fc"]["kernel"]), np.asarray(old.params["fc"]["kernel"]))
+
+
+def test_eagle1_eval_has_no_training_noise(tiny_hf_dir, tmp_path, rng):
+    """The held-out loss and accuracy measure the head, not the head under the training feature
+    noise: with noise 0.5 the eval gives exactly the numbers of a run without noise, while the
+    training loss does see the noise."""
+    import jax
+
+    from eagle_jax.training.eagle_job import eagle_job
+
+    data = tmp_path / "train.jsonl"
+    _conversations(data, rng, n=8)
+
+    def job(noise):
+        cfg = {"job": "eagle1", "model": {"target": str(tiny_hf_dir)},
+               "data": {"train": str(data), "eval": str(data), "max_len": 40, "eval_batches": 1},
+               "objective": {"noise": noise},
+               "train": {"batch_size": 4, "seq_len": 40, "output_dir": str(tmp_path / f"run{noise}")}}
+        return eagle_job(cfg)
+
+    params, aux, noisy_loss, train_iter, noisy_eval = job(0.5)
+    params0, _, clean_loss, _, clean_eval = job(0.0)
+    batch, key = next(train_iter), jax.random.PRNGKey(0)
+    assert float(noisy_loss(params, aux, batch, key)[0]) != float(clean_loss(params, aux, batch, key)[0])
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, params0))  # same init
+    got = noisy_eval(params, aux)
+    assert set(got) >= {"loss", "acc_0", "vloss"} and got == clean_eval(params, aux)

@@ -30,7 +30,8 @@ def setup():
 
 def _reference_ttt(cfg, params, head, batch, n, decay, greedy_weight=0.0):
     """Per (step i, index j): run the head exactly as drafting does and score its prediction
-    against (1 - w) · p_target + w · onehot(target argmax)."""
+    against (1 - w) · p_target + w · onehot(target argmax). A target argmax outside the draft
+    vocabulary is left out of the loss but counts as a miss in the accuracy."""
     ids = np.asarray(batch["input_ids"])
     b, l = ids.shape
     feats, hidden = teacher(params, cfg, head.cfg, batch["input_ids"])
@@ -41,6 +42,7 @@ def _reference_ttt(cfg, params, head, batch, n, decay, greedy_weight=0.0):
     num = np.zeros(n)
     den = np.zeros(n)
     hits = np.zeros(n)
+    scored = np.zeros(n)
     for r in range(b):
         length = int(batch["lengths"][r])
         for j in range(l):
@@ -62,6 +64,7 @@ def _reference_ttt(cfg, params, head, batch, n, decay, greedy_weight=0.0):
                 if tgt >= l or tgt >= length or not batch["loss_mask"][r, tgt]:
                     continue
                 arg = t_logits[r, j + 1 + i].argmax()
+                scored[i] += 1
                 if arg not in draft_ids:
                     continue
                 logp = np.asarray(jax.nn.log_softmax(head_logits(head, params, cfg, h)[0, 0]))
@@ -71,7 +74,8 @@ def _reference_ttt(cfg, params, head, batch, n, decay, greedy_weight=0.0):
                 den[i] += 1
                 hits[i] += draft_ids[logp.argmax()] == arg
     ploss = num / np.maximum(den, 1)
-    return ploss, hits / np.maximum(den, 1), sum(decay ** i * ploss[i] for i in range(n))
+    assert (den < scored).any()  # some target tokens are outside the draft vocabulary
+    return ploss, hits / np.maximum(scored, 1), sum(decay ** i * ploss[i] for i in range(n))
 
 
 @pytest.mark.parametrize("greedy_weight", [0.0, 0.6])
@@ -96,6 +100,36 @@ def test_ttt_loss_sees_no_future(setup):
     changed = dict(base, input_ids=base["input_ids"].at[:, 7:].set(3))
     b = loss_fn(head.params, aux, changed, jax.random.PRNGKey(0))[0]
     np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+
+
+def test_eagle3_accuracy_counts_out_of_vocab_targets_as_misses(setup):
+    """acc_i divides by every scored position (SpecForge): where the target's argmax is outside the
+    draft vocabulary the head cannot be right, so a target that agrees with the head everywhere
+    except at k such positions gives acc_0 = 1 - k / (scored positions), not 1."""
+    cfg, params, head, batch = setup
+    feats, hidden = teacher(params, cfg, head.cfg, batch["input_ids"])
+    ids = np.asarray(batch["input_ids"])
+    b, l = ids.shape
+    h, _ = head_step(head, params["embed_tokens"]["embedding"], jnp.asarray(ids[:, 1:]),
+                     fuse_features(head, feats)[:, :-1], jnp.broadcast_to(jnp.arange(l - 1)[None], (b, l - 1)))
+    draft_ids = np.arange(60) + np.asarray(head.d2t)
+    agree = np.zeros_like(ids)
+    agree[:, 1:] = draft_ids[np.asarray(jnp.argmax(head_logits(head, params, cfg, h), -1))]
+    loss_fn = make_loss_fn(ObjectiveConfig("eagle3", ttt_length=1), head.cfg, cfg)
+    aux = {"target": params, "d2t": head.d2t}
+
+    def metrics(t_argmax):
+        off = dict(batch, features=feats, hidden=hidden, target_argmax=jnp.asarray(t_argmax, jnp.int32))
+        return loss_fn(head.params, aux, off, jax.random.PRNGKey(0))[1]
+
+    assert float(metrics(agree)["acc_0"]) == 1.0
+    # step 0 at index j is scored when t_{j+2} is an assistant token of the row
+    scored = np.asarray(batch["loss_mask"])[:, 2:] * (np.arange(2, l)[None] < np.asarray(batch["lengths"])[:, None])
+    rows, cols = np.nonzero(scored)
+    outside = agree.copy()
+    outside[rows[:3], cols[:3] + 1] = 25  # target id 25: no draft token maps to it
+    assert 25 not in draft_ids
+    np.testing.assert_allclose(float(metrics(outside)["acc_0"]), 1 - 3 / scored.sum(), rtol=1e-6)
 
 
 def test_eagle1_loss_definition(setup):

@@ -5,6 +5,7 @@ vocabulary and the self-distillation file handling (prompt sources: test_prompts
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -20,6 +21,18 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{{ '<|im_start|>system\nw3 w4<|im_end|>\n' }}{% endif %}"
           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Qwen3's layout: only the last assistant turn (after the last user turn) gets an empty <think> block, so a
+# conversation's prefix renders differently from the start of the whole; a reply's reasoning is dropped.
+QWEN3 = ("{%- set ns = namespace(last_query=-1) %}"
+         "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+         "{%- endfor %}"
+         "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
+         "{%- set content = m['content'].split('</think>')[-1].lstrip('\n') %}{{- '<|im_start|>assistant\n' }}"
+         "{%- if loop.last and loop.index0 > ns.last_query %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+         "{{- content + '<|im_end|>\n' }}"
+         "{%- else %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif %}"
+         "{%- endfor %}"
+         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 
 
 def write_lines(path, lines):
@@ -36,21 +49,32 @@ def tiny_tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-@pytest.fixture(scope="module")
-def chatml_tok():
-    """A word-level tokenizer with SmolLM2's ChatML layout: <|im_start|>role\\n ... <|im_end|>\\n."""
+def word_tok(template, specials=()):
+    """A word-level tokenizer over ChatML's special tokens (+ `specials`) and w7 … w79."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+    words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", *specials]
     vocab = {w: i for i, w in enumerate(words)}
     vocab.update({f"w{i}": i for i in range(len(words), 80)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>",
-                                   bos_token="<|im_start|>", additional_special_tokens=["<|endoftext|>"])
-    fast.chat_template = CHATML
+                                   bos_token="<|im_start|>", additional_special_tokens=["<|endoftext|>", *specials])
+    fast.chat_template = template
     return fast
+
+
+@pytest.fixture(scope="module")
+def chatml_tok():
+    """A word-level tokenizer with SmolLM2's ChatML layout: <|im_start|>role\\n ... <|im_end|>\\n."""
+    return word_tok(CHATML)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok():
+    """ChatML plus Qwen3's empty <think> block in the last assistant turn (a template that is not prefix-stable)."""
+    return word_tok(QWEN3, ("<think>", "</think>"))
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -196,6 +220,87 @@ def test_mask_smollm2_tokenizer():
     prompt = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
     p_ids = tok(prompt, add_special_tokens=False).input_ids
     assert ex["input_ids"][:len(p_ids)].tolist() == p_ids and not ex["loss_mask"][:len(p_ids)].any()
+
+
+QWEN3_CHAT = [{"role": "system", "content": "w20"},
+              {"role": "user", "content": "w12 w13 w10"}, {"role": "assistant", "content": "w12 w13"},
+              {"role": "user", "content": "w14"}, {"role": "assistant", "content": "w15 w16 w17"},
+              {"role": "user", "content": "w18 w19"}, {"role": "assistant", "content": "w18"}]
+
+
+def test_mask_multi_turn_qwen3_think_block(qwen3_tok):
+    """Qwen3's template is not prefix-stable (the <think> block of a turn's rendering as the last one is
+    gone once a user turn follows): each reply is located in the full rendering, the mask covers
+    exactly the replies (+ <|im_end|>), never the think block, the headers or the user's copy of a reply."""
+    msgs = QWEN3_CHAT
+    full = qwen3_tok.apply_chat_template(msgs, tokenize=False)
+    assert not full.startswith(qwen3_tok.apply_chat_template(msgs[:3], tokenize=False))
+    assert full.count("<think>") == 1
+    ex = D.tokenize_conversation(qwen3_tok, msgs, 256)
+    runs = mask_runs(ex)
+    got = [qwen3_tok.decode(ex["input_ids"][s:e].tolist()) for s, e in runs]
+    assert got == ["w12 w13 <|im_end|>", "w15 w16 w17 <|im_end|>", "w18 <|im_end|>"]
+    before = [qwen3_tok.decode(ex["input_ids"][s - 2:s].tolist()) for s, _ in runs]
+    assert before == ["<|im_start|> assistant", "<|im_start|> assistant", "<think> </think>"]
+    assert int(ex["loss_mask"].sum()) == 3 + 4 + 2
+    stats = {}
+    out = D.tokenize_conversations(qwen3_tok, [{"id": "q", "messages": msgs}], 256, stats=stats)
+    assert stats["examples"] == 1 and stats["dropped_unlocated"] == 0
+    np.testing.assert_array_equal(out[0]["loss_mask"], ex["loss_mask"])
+
+
+def test_unlocatable_reply_dropped_and_counted(qwen3_tok, capsys):
+    """A reply the template rewrote in a turn that is not prefix-stable (Qwen3 drops an earlier turn's
+    reasoning) cannot be located: that conversation is dropped and counted, the others are kept."""
+    rewritten = [QWEN3_CHAT[1], {"role": "assistant", "content": "<think>w9</think>\n\nw10"}, *QWEN3_CHAT[3:5]]
+    with pytest.raises(D.ReplyNotFound, match="assistant turn 1"):
+        D.tokenize_conversation(qwen3_tok, rewritten, 256)
+    stats = {}
+    convs = [{"id": "bad", "messages": rewritten}, {"id": "good", "messages": QWEN3_CHAT}]
+    out = D.tokenize_conversations(qwen3_tok, convs, 256, stats=stats)
+    assert [e["id"] for e in out] == ["good"]
+    assert stats["examples"] == 1 and stats["dropped_unlocated"] == 1 and stats["dropped_too_long"] == 0
+    assert "dropped 1 conversation(s) with an assistant reply that the chat template rewrote" in capsys.readouterr().err
+
+
+def _spans_before_the_fix(tokenizer, messages):
+    """The prefix-by-prefix location of replies that every prefix-stable template used before."""
+    eot = tokenizer.eos_token
+    def render(ms, gen=False):
+        return tokenizer.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen) if ms else ""
+
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or not m["content"]:
+            continue
+        prev, cur = render(messages[:i]), render(messages[:i + 1])
+        start = cur.find(m["content"], len(prev))
+        if start >= 0:
+            end = start + len(m["content"])
+            mt = re.match(r"\s*" + re.escape(eot), cur[end:])
+            end += mt.end() if mt else 0
+        else:
+            gen = render(messages[:i], True)
+            start, end = len(gen) if cur.startswith(gen) else len(prev), len(cur.rstrip())
+        spans.append((start, end))
+    return render(messages), spans
+
+
+def test_prefix_stable_templates_keep_their_masks(chatml_tok, tiny_tok, monkeypatch):
+    """For prefix-stable templates the masks are the ones of the prefix-by-prefix location: a reply
+    whose text the user turn before it already holds, and a template that rewrites replies."""
+    upper = word_tok(CHATML.replace("message['content'] + '<|im_end|>'", "message['content'] | upper + '<|im_end|>'"))
+    convs = [QWEN3_CHAT, [{"role": "user", "content": "w30 w31"}, {"role": "assistant", "content": "w30 w31"},
+                          {"role": "user", "content": "w32 w30"}, {"role": "assistant", "content": "w30"}],
+             [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w5"}]]
+    cases = [(tok, msgs) for tok in (chatml_tok, tiny_tok, upper) for msgs in convs]
+    got = [D.tokenize_conversation(tok, msgs, 256) for tok, msgs in cases]
+    monkeypatch.setattr(D, "assistant_char_spans", _spans_before_the_fix)
+    want = [D.tokenize_conversation(tok, msgs, 256) for tok, msgs in cases]
+    for (tok, msgs), g, w in zip(cases, got, want, strict=True):
+        np.testing.assert_array_equal(g["input_ids"], w["input_ids"])
+        np.testing.assert_array_equal(g["loss_mask"], w["loss_mask"])
+    assert masked_text(upper, got[-1]) == "<unk> <|im_end|>"  # the rewritten reply: all after the header
 
 
 def test_truncation_and_drop(tiny_tok, capsys):

@@ -11,9 +11,10 @@
   marks the assistant tokens: `loss_mask[t] = 1` iff token t belongs to an assistant reply (its
   content and its end-of-turn token, e.g. `<|im_end|>`; never the role header, the newline the
   template writes after the turn, or a system/user turn). The spans come from rendering the
-  conversation prefix by prefix (every template we support is prefix-stable) and mapping character
-  spans to tokens through the fast tokenizer's offsets, so BPE merges across a boundary cannot
-  shift the mask.
+  conversation prefix by prefix (where a template is not prefix-stable, e.g. Qwen3's, which writes an
+  empty `<think>` block in the last assistant turn only, each reply is located in the full rendering
+  instead) and mapping character spans to tokens through the fast tokenizer's offsets, so BPE merges
+  across a boundary cannot shift the mask.
 * `make_dataset(examples, batch_size, seq_len, seed, ...)` is a grain pipeline (shard by process →
   shuffle → repeat → pad → batch) whose iterator yields static-shape numpy batches
   `{"input_ids": int32 [B, L], "loss_mask": float32 [B, L], "lengths": int32 [B]}` and supports
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -41,6 +43,11 @@ ROLE_ALIASES = {
 
 class ConversationError(ValueError):
     """One line of a conversation file is malformed (the message names the problem)."""
+
+
+class ReplyNotFound(ValueError):
+    """An assistant reply's text is not where the chat template's rendering should hold it (the
+    template rewrote it in a turn that is not prefix-stable), so its tokens cannot be located."""
 
 
 def _warn(msg: str) -> None:
@@ -144,36 +151,51 @@ def _end_of_turn_text(tokenizer) -> Optional[str]:
     return tok if isinstance(tok, str) and tok else None
 
 
+def _through_eot(text: str, end: int, eot: Optional[str]) -> int:
+    """`end`, moved past the end-of-turn text when it follows (after optional whitespace)."""
+    mt = re.match(r"\s*" + re.escape(eot), text[end:]) if eot else None
+    return end + mt.end() if mt else end
+
+
 def assistant_char_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, [(start, end)] character spans of each assistant reply incl. end-of-turn).
 
-    Renders messages[:i] and messages[:i+1]; the second must extend the first (a prefix-stable
-    template), the reply's content is located after the prefix, and the end-of-turn token (the
-    tokenizer's eos text) is included when it follows the content (after optional whitespace).
+    Renders messages[:i] and messages[:i+1]. Where the template is prefix-stable at reply i (the
+    second extends the first and the full rendering extends the second), the reply's content is
+    located after the prefix (if the template rewrote it: everything after the generation prompt).
+    Otherwise (Qwen3's template gives only the last assistant turn an empty `<think>` block, so a
+    reply renders differently once a later user turn exists) the content is searched in the full
+    rendering, from where messages[:i]'s rendering departs from it (and not before the previous
+    reply's end) to the next end-of-turn text; ReplyNotFound if it is not there. The end-of-turn
+    token (the tokenizer's eos text) is included when it follows the content (after optional
+    whitespace).
     """
     eot = _end_of_turn_text(tokenizer)
     full = _render(tokenizer, messages)
-    spans = []
+    spans, last_end = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or not m["content"]:
             continue
         prev = _render(tokenizer, messages[:i])
         cur = _render(tokenizer, messages[:i + 1])
-        if not cur.startswith(prev) or not full.startswith(cur):
-            raise ValueError("the chat template is not prefix-stable (rendering a longer conversation changes "
-                             "the text of its beginning), so assistant tokens cannot be located")
-        start = cur.find(m["content"], len(prev))
-        if start >= 0:
-            end = start + len(m["content"])
-            if eot:
-                mt = re.match(r"\s*" + re.escape(eot), cur[end:])
-                if mt:
-                    end += mt.end()
-        else:  # the template rewrote the content: take everything after the generation prompt
-            gen = _render(tokenizer, messages[:i], add_generation_prompt=True)
-            start = len(gen) if cur.startswith(gen) else len(prev)
-            end = len(cur.rstrip())
+        if cur.startswith(prev) and full.startswith(cur):
+            start = cur.find(m["content"], len(prev))
+            if start >= 0:
+                end = _through_eot(cur, start + len(m["content"]), eot)
+            else:  # the template rewrote the content: take everything after the generation prompt
+                gen = _render(tokenizer, messages[:i], add_generation_prompt=True)
+                start = len(gen) if cur.startswith(gen) else len(prev)
+                end = len(cur.rstrip())
+        else:
+            lo = max(last_end, len(os.path.commonprefix([prev, full])))
+            hi = full.find(eot, lo) if eot else -1
+            start = full.find(m["content"], lo, len(full) if hi < 0 else hi)
+            if start < 0:
+                raise ReplyNotFound(f"the text of assistant turn {i} is not in its turn of the chat template's "
+                                    f"rendering (the template is not prefix-stable and rewrote it)")
+            end = _through_eot(full, start + len(m["content"]), eot)
         spans.append((start, end))
+        last_end = end
     return full, spans
 
 
@@ -184,7 +206,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict], max_len: int,
 
     loss_mask[t] = 1 iff token t is part of an assistant reply (content + end-of-turn token).
     truncated: the last reply was cut off by a generation limit, so its end-of-turn token is not a
-    real prediction target and stays unmasked.
+    real prediction target and stays unmasked. ReplyNotFound: a reply cannot be located (see
+    `assistant_char_spans`).
     """
     ex, _ = _tokenize(tokenizer, messages, max_len, truncated)
     return ex
@@ -221,10 +244,11 @@ def _tokenize(tokenizer, messages, max_len, truncated):
 def tokenize_conversations(tokenizer, conversations: Iterable[dict], max_len: int,
                            stats: Optional[dict] = None, progress: bool = False) -> list[dict]:
     """Tokenize many conversations (`{"id", "messages", ...}`); conversations whose first assistant
-    token lies past max_len are dropped and counted (reported on stderr). Each example keeps its
-    id: {"id", "input_ids", "loss_mask"}. stats gets {"examples", "dropped_too_long", "truncated",
-    "tokens", "assistant_tokens"}."""
-    out, dropped, cut = [], [], 0
+    token lies past max_len, or one of whose replies the chat template's rendering does not hold
+    (ReplyNotFound), are dropped and counted (reported on stderr). Each example keeps its id:
+    {"id", "input_ids", "loss_mask"}. stats gets {"examples", "dropped_too_long",
+    "dropped_unlocated", "truncated", "tokens", "assistant_tokens"}."""
+    out, dropped, unlocated, cut = [], [], [], 0
     convs = list(conversations)
     it = convs
     if progress:
@@ -232,7 +256,11 @@ def tokenize_conversations(tokenizer, conversations: Iterable[dict], max_len: in
 
         it = tqdm(convs, desc="tokenizing", file=sys.stderr, unit="conv")
     for c in it:
-        ex, full_len = _tokenize(tokenizer, c["messages"], max_len, truncated=c.get("finish") == "length")
+        try:
+            ex, full_len = _tokenize(tokenizer, c["messages"], max_len, truncated=c.get("finish") == "length")
+        except ReplyNotFound:
+            unlocated.append(c.get("id"))
+            continue
         if ex is None:
             dropped.append(c.get("id"))
             continue
@@ -242,8 +270,12 @@ def tokenize_conversations(tokenizer, conversations: Iterable[dict], max_len: in
     if dropped:
         _warn(f"dropped {len(dropped)} conversation(s) whose first assistant token is past max_len={max_len} "
               f"(e.g. {dropped[:3]})")
+    if unlocated:
+        _warn(f"dropped {len(unlocated)} conversation(s) with an assistant reply that the chat template rewrote "
+              f"(its text is not in the rendering, e.g. {unlocated[:3]})")
     if stats is not None:
-        stats.update(examples=len(out), dropped_too_long=len(dropped), truncated=int(cut),
+        stats.update(examples=len(out), dropped_too_long=len(dropped), dropped_unlocated=len(unlocated),
+                     truncated=int(cut),
                      tokens=int(sum(len(e["input_ids"]) for e in out)),
                      assistant_tokens=int(sum(e["loss_mask"].sum() for e in out)))
     return out

@@ -96,10 +96,11 @@ def bigram_table(examples: Sequence[dict]) -> dict[int, int]:
 
 
 def summarize(agree: dict, bigram: Optional[dict[int, int]] = None, bands: Sequence[float] = BANDS) -> dict:
-    """The report: overall acc_0 (positions whose target token is in the draft vocabulary, as the
-    objective scores them), the out-of-vocabulary share, accept_0 (the same agreement over all
+    """The report: overall acc_0 (positions whose target token is in the draft vocabulary, which
+    the objective's loss scores), the out-of-vocabulary share, accept_0 (the same agreement over all
     positions, an out-of-vocabulary target token counted as a miss: the first draft token's chance
-    of acceptance, comparable between heads with different draft vocabularies), and per
+    of acceptance, comparable between heads with different draft vocabularies; the training
+    metric `acc_0` counts so since stop 87, as SpecForge does), and per
     target-confidence band the share of positions and the head's (and the bigram's) accuracy there."""
     keep = agree["in_draft_vocab"]
     n_all = int(len(keep))

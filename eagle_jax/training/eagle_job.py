@@ -12,7 +12,7 @@ Config sections (defaults in MODEL / DATA / OBJECTIVE below):
              (cached once under feature_dir, then streamed), `pack` (several conversations per row,
              kept apart by segment ids: no step computes padding it could fill)
   objective: ObjectiveConfig fields (ttt_length, step_decay, noise, v_weight, p_weight, compute_dtype,
-             greedy_weight)
+             greedy_weight); `noise` is for training only: the held-out eval runs with none
   export:    where the finished head is written in the released EAGLE layout (and its dtype)
 
 The draft vocabulary (EAGLE-3) is built from the training data's assistant-token frequencies and
@@ -174,7 +174,8 @@ def eagle_job(config: dict):
         it = make_dataset(held, train.batch_size, train.seq_len, seed=0, shuffle=False, num_epochs=1,
                           shard_index=0, shard_count=1, drop_remainder=False)
         batches = [b for _, b in zip(range(data["eval_batches"]), it)]
-        eval_loss = jax.jit(loss_fn)
+        # held-out metrics measure the head itself: no EAGLE-1 training noise on the target features
+        eval_loss = jax.jit(make_loss_fn(dataclasses.replace(ocfg, noise=0.0), head.cfg, tcfg))
 
         def eval_fn(params, aux):
             outs = [jax.device_get(eval_loss(params, aux, b, jax.random.PRNGKey(0))[1]) for b in batches]

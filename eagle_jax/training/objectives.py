@@ -15,14 +15,16 @@ EAGLE-3:  training-time test — `ttt_length` rollout steps; step 0 reads the fu
           a query, not a dense [L, n·L] mask (the same softmax; tested against step-by-step drafting
           through the inference cache). Loss: soft cross-entropy against the target's
           distribution restricted to the draft vocabulary, weighted step_decay**i; positions whose
-          target argmax is outside the draft vocabulary are skipped (as SpecForge does).
+          target argmax is outside the draft vocabulary are left out of the loss (as SpecForge does).
 Both:     `greedy_weight` w mixes the target's greedy token into the distribution the head learns,
           (1 - w) · p_target + w · onehot(argmax p_target). 0 (the default) is the papers' soft
           target; w > 0 trains the head's top-1 (and its confidences, which rank a dynamic tree's
           nodes) toward the event greedy verification accepts — the target's argmax — rather than
           toward the target's whole distribution, which a small head cannot match.
 Metrics: `loss`, `acc_i` (top-1 of rollout step i against the target's argmax; EAGLE-1 has acc_0
-only), `ploss_i`, and for EAGLE-1 `vloss`.
+only), `ploss_i`, and for EAGLE-1 `vloss`. EAGLE-3's `acc_i` is over every scored position (assistant
+target, same segment), as in SpecForge: a position whose target argmax is outside the draft vocabulary
+stays in the denominator and counts as a miss (the head cannot name it), although the loss skips it.
 """
 
 from __future__ import annotations
@@ -234,11 +236,12 @@ def eagle3_loss(head: DraftHead, target_params, tcfg: ModelConfig, batch, feats_
         h, keys = head_step(head, embed, _shift(ids, 1 + i), h, pos0 + i, keys)
         logits = head_logits(head, target_params, tcfg, h)
         tgt_arg = _shift(t_argmax, 1 + i)
-        m = _shift(base_mask, 2 + i) * _same_segment(seg, 2 + i) * in_draft[tgt_arg]
-        ploss = _masked_mean(soft_ce_ahead(logits, t_p, 1 + i), m)
+        scored = _shift(base_mask, 2 + i) * _same_segment(seg, 2 + i)
+        ploss = _masked_mean(soft_ce_ahead(logits, t_p, 1 + i), scored * in_draft[tgt_arg])
         pred = draft_ids[jnp.argmax(logits, -1)]
         metrics[f"ploss_{i}"] = ploss
-        metrics[f"acc_{i}"] = _masked_mean((pred == tgt_arg).astype(jnp.float32), m)
+        # every scored position counts: a target token outside the draft vocabulary is a miss (SpecForge)
+        metrics[f"acc_{i}"] = _masked_mean((pred == tgt_arg).astype(jnp.float32), scored)
         loss = loss + ocfg.step_decay ** i * ploss
     metrics["loss"] = loss
     metrics["tokens"] = jnp.sum(_shift(base_mask, 2) * _same_segment(seg, 2))
