@@ -129,3 +129,58 @@ def test_sharded_safetensors_and_missing_shard(tmp_path):
 def test_directory_without_config(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         load_hf_dir(tmp_path)
+
+
+def _save_torch_bin(model, path, shards: int = 1):
+    """The model's weights as transformers < 5 wrote them with `save_pretrained(safe_serialization=False)`
+    (transformers 5 writes safetensors whatever it is told): `pytorch_model.bin`, or shards
+    `pytorch_model-0000i-of-0000n.bin` with a `pytorch_model.bin.index.json` (lmsys/vicuna-7b-v1.3's
+    layout), saved by torch itself (some tensors stay views of one shared storage)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_diff_dict()))
+    sd = model.state_dict()
+    if shards == 1:
+        torch.save(sd, path / "pytorch_model.bin")
+        return
+    names = list(sd)
+    weight_map = {}
+    for i, part in enumerate(np.array_split(np.arange(len(names)), shards)):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        torch.save({names[j]: sd[names[j]] for j in part}, path / file)
+        weight_map.update({names[j]: file for j in part})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    (path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("name,shards", [("llama_bias_untied", 1), ("qwen2", 3)])
+def test_pytorch_bin_target_loads_like_safetensors(tmp_path, name, shards, rng):
+    """A target shipped only as torch `.bin` files (single or sharded) loads without torch and gives
+    the logits of the same model saved as safetensors (and transformers' own)."""
+    model = make_hf_model(name)
+    model.save_pretrained(tmp_path / "st")
+    _save_torch_bin(model, tmp_path / "pt", shards)
+    assert not list((tmp_path / "pt").glob("*.safetensors"))
+    assert len(list((tmp_path / "pt").glob("*.bin"))) == shards
+    cfg_s, params_s = load_hf_dir(tmp_path / "st")
+    cfg_b, params_b = load_hf_dir(tmp_path / "pt")
+    assert cfg_b == cfg_s
+    ids = rng.integers(0, cfg_s.vocab_size, (1, 9))
+    got_s, got_b = (np.asarray(lm_logits(p, cfg_s, forward(p, cfg_s, jnp.asarray(ids)).hidden))
+                    for p in (params_s, params_b))
+    np.testing.assert_array_equal(got_b, got_s)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(got_b, ref, atol=1e-4, rtol=0)
+
+
+def test_missing_weights_and_torch_shards_are_named(tmp_path):
+    model = make_hf_model("llama")
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_diff_dict()))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*pytorch_model\.bin"):
+        load_hf_dir(tmp_path)
+    _save_torch_bin(model, tmp_path, 2)
+    (tmp_path / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"'pytorch_model-00002-of-00002\.bin' listed in "
+                                              r"pytorch_model\.bin\.index\.json is missing"):
+        load_hf_dir(tmp_path)

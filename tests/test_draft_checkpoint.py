@@ -510,3 +510,23 @@ def test_export_spells_layer_zero_for_sglang_and_warns(tmp_path):
     tiny = TARGET.replace(num_layers=3)  # default layers (2, 1, 0): what the servers would capture permuted
     with pytest.warns(UserWarning, match=r"default EAGLE-3 target layers \(2, 1, 0\)"):
         save_drafter(tmp_path / "t", _random_head("eagle3", tiny), tiny)
+
+
+@pytest.mark.parametrize("rows", ["q8_0", "q4_1", "f16"])
+def test_export_refuses_quantised_cpu_kernel_rows(tmp_path, rows):
+    """Under the CPU kernel `load_drafter` replaces each weight by its compact rows' values: Q8_0 / Q4_1
+    approximate it, so exporting such a head would write the approximation; f16 rows are exact."""
+    target = TARGET.replace(rope_theta=THETA)
+    src = save_drafter(tmp_path / "h", _random_head("eagle3", target), target, dtype="float16")
+    kernel_target = target.replace(matmul_impl="cpu_kernel")
+    head = load_drafter(src, kernel_target, rows=rows)
+    assert any(p[-1].key == rows for p, _ in jax.tree_util.tree_flatten_with_path(head.params)[0])
+    if rows == "f16":
+        out = save_drafter(tmp_path / "o", head, kernel_target, dtype="float16")
+        want, got = (torch_load_safetensors(str(p / "model.safetensors")) for p in (src, out))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        return
+    with pytest.raises(CheckpointError, match=rf"compact CPU-kernel rows '[a-z_.]+\.{rows}'.*"
+                                              rf"load it with the float kernels \(target matmul_impl='xla'\)"):
+        save_drafter(tmp_path / "o", head, kernel_target)
+    assert not (tmp_path / "o").exists()

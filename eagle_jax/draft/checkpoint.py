@@ -59,184 +59,23 @@ so hidden_states[0] is nested -1) only when the layers are not the default.
 
 from __future__ import annotations
 
-import collections
-import io
 import json
-import pickle
 import warnings
-import zipfile
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from ..models.checkpoint import CheckpointError, read_safetensors_dir
+from ..models.checkpoint import CheckpointError, read_weights_dir
+from ..models.torch_bin import UnsafeCheckpointError, load_torch_state_dict
 from ..models.config import ModelConfig, UnsupportedConfigError
 from .config import DraftConfig, check_target_layers, default_target_layers
 from .heads import DraftHead, init_head
 
 __all__ = ["load_drafter", "save_drafter", "load_torch_state_dict", "drafter_state_dict", "drafter_hf_config",
            "draft_config_from_hf", "expected_drafter_tensors", "CheckpointError", "UnsafeCheckpointError"]
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A pickled checkpoint references a global outside the tensor-only allow-list."""
-
-
-# ============================================================================ torch .bin reader
-_STORAGE_DTYPES = {
-    "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
-    "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
-    "UntypedStorage": np.uint8,
-}
-_TORCH_DTYPES = {
-    "float32": np.float32, "float": np.float32, "float64": np.float64, "double": np.float64,
-    "float16": np.float16, "half": np.float16, "bfloat16": ml_dtypes.bfloat16, "int64": np.int64,
-    "long": np.int64, "int32": np.int32, "int": np.int32, "int16": np.int16, "short": np.int16,
-    "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
-}
-
-
-class _StorageKind:
-    """Stand-in for a torch storage class (or dtype) named in the pickle: only its element type."""
-
-    def __init__(self, name: str, dtype):
-        self.name, self.dtype = name, np.dtype(dtype)
-
-
-class _Storage:
-    """One storage record of the archive as a flat numpy array."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-
-def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-    if not isinstance(storage, _Storage):
-        raise UnsafeCheckpointError("torch checkpoint rebuilds a tensor from something that is not a storage record")
-    try:
-        offset, size, stride = int(offset), tuple(int(s) for s in size), tuple(int(s) for s in stride)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"malformed tensor record in torch checkpoint: {e}") from None
-    arr = storage.array
-    if len(size) != len(stride) or offset < 0 or any(s < 0 for s in size) or any(s < 0 for s in stride):
-        raise CheckpointError(f"malformed tensor record (offset {offset}, size {size}, stride {stride})")
-    if 0 in size:
-        return np.zeros(size, arr.dtype)
-    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-    if last >= arr.size:
-        raise CheckpointError(f"tensor record (offset {offset}, size {size}, stride {stride}) reads past its "
-                              f"storage of {arr.size} elements")
-    view = np.lib.stride_tricks.as_strided(arr[offset:], shape=size,
-                                           strides=tuple(s * arr.itemsize for s in stride), writeable=False)
-    return np.array(view)  # own the memory (the storage may be shared by several tensors)
-
-
-def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
-    return data
-
-
-class _TensorUnpickler(pickle.Unpickler):
-    """Rebuilds a torch state dict as numpy arrays; any global outside the allow-list is refused."""
-
-    def __init__(self, data: bytes, read_record: Callable[[str], bytes], big_endian: bool, source: str):
-        super().__init__(io.BytesIO(data))
-        self._read_record = read_record
-        self._big_endian = big_endian
-        self._source = source
-        self._storages: dict[str, _Storage] = {}
-
-    def find_class(self, module, name):
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor
-        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
-            return _rebuild_parameter
-        if module in ("torch", "torch.storage") and name in _STORAGE_DTYPES:
-            return _StorageKind(name, _STORAGE_DTYPES[name])
-        if module == "torch" and name in _TORCH_DTYPES:
-            return _StorageKind(name, _TORCH_DTYPES[name])
-        if (module, name) == ("torch", "Size"):
-            return tuple
-        raise UnsafeCheckpointError(
-            f"{self._source}: refusing to load global {module}.{name}: only tensors and state-dict containers "
-            f"are allowed in a checkpoint (convert it to safetensors if it is trusted)")
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
-            raise UnsafeCheckpointError(f"{self._source}: unsupported persistent record {pid!r:.80}")
-        _, kind, key, _location, numel = pid
-        if not isinstance(kind, _StorageKind):
-            raise UnsafeCheckpointError(f"{self._source}: persistent record with storage type {kind!r:.80}")
-        key = key.decode() if isinstance(key, bytes) else str(key)
-        if key not in self._storages:
-            raw = self._read_record(f"data/{key}")
-            dt = kind.dtype.newbyteorder(">") if self._big_endian and kind.dtype.itemsize > 1 else kind.dtype
-            n = int(numel)
-            if n * dt.itemsize > len(raw):
-                raise CheckpointError(f"{self._source}: storage {key} holds {len(raw)} bytes, "
-                                      f"expected {n} × {dt.itemsize}")
-            arr = np.frombuffer(raw, dtype=dt, count=n)
-            self._storages[key] = _Storage(arr.astype(kind.dtype) if dt != kind.dtype else arr)
-        return self._storages[key]
-
-
-def load_torch_state_dict(file) -> dict[str, np.ndarray]:
-    """Read a `torch.save`d state dict (zip format) as numpy arrays, without importing torch.
-
-    Only `collections.OrderedDict`, `torch._utils._rebuild_tensor_v2` / `_rebuild_parameter`, storage
-    classes and dtypes may appear in the pickle; anything else raises `UnsafeCheckpointError`.
-    """
-    file = Path(file)
-    if not zipfile.is_zipfile(file):
-        raise CheckpointError(f"{file} is a legacy (pre-zip) torch checkpoint, which eagle_jax does not unpickle; "
-                              f"re-save it with torch.save (torch>=1.6) or convert it to safetensors")
-    with zipfile.ZipFile(file) as z:
-        pkls = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-        if len(pkls) != 1:
-            raise CheckpointError(f"{file}: expected one data.pkl in the torch archive, found {len(pkls)}")
-        prefix = pkls[0][: -len("data.pkl")]
-        names = set(z.namelist())
-        big = prefix + "byteorder" in names and z.read(prefix + "byteorder").strip() == b"big"
-
-        def read_record(rel: str) -> bytes:
-            if prefix + rel not in names:
-                raise CheckpointError(f"{file}: torch archive lacks record {prefix + rel!r}")
-            return z.read(prefix + rel)
-
-        try:
-            obj = _TensorUnpickler(z.read(pkls[0]), read_record, big, str(file)).load()
-        except CheckpointError:
-            raise
-        except Exception as e:  # truncated / corrupt pickle
-            raise CheckpointError(f"{file}: cannot read torch checkpoint: {type(e).__name__}: {e}") from None
-    if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, np.ndarray)
-                                               for k, v in obj.items()):
-        raise CheckpointError(f"{file}: expected a state dict of named tensors, got {type(obj).__name__}")
-    return dict(obj)
-
-
-def _read_weights(path: Path):
-    """(names, get) over a head directory's safetensors (single or sharded) or torch .bin files."""
-    if (path / "model.safetensors.index.json").exists() or any(path.glob("*.safetensors")):
-        return read_safetensors_dir(path)
-    if (path / "pytorch_model.bin").exists():
-        sd = load_torch_state_dict(path / "pytorch_model.bin")
-        return list(sd), sd.__getitem__
-    index = path / "pytorch_model.bin.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        sd = {}
-        for shard in sorted(set(weight_map.values())):
-            if not (path / shard).exists():
-                raise CheckpointError(f"shard {shard!r} listed in {index.name} is missing from {path}")
-            sd.update(load_torch_state_dict(path / shard))
-        return list(sd), sd.__getitem__
-    raise CheckpointError(f"{path} has no model.safetensors or pytorch_model.bin")
 
 
 # ============================================================================ config.json
@@ -454,7 +293,8 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
     `target_layers` (HF hidden_states indices) overrides the fused layers of an EAGLE-3 head;
     `dtype` defaults to the target's. Under the CPU kernel (`target_cfg.matmul_impl == "cpu_kernel"`)
     the head keeps compact rows for it: `rows` "q8_0" (quantised: the kernel reads a quarter of
-    float32's bytes) or "f16" (a float16 checkpoint's own values, exactly). Raises CheckpointError
+    float32's bytes) or "f16" (a float16 checkpoint's own values, exactly); a head with rows that
+    approximate its weights cannot be exported (`save_drafter` refuses it). Raises CheckpointError
     naming a missing / misshapen / unexpected tensor or an incompatibility with the target,
     UnsupportedConfigError for config.json.
     """
@@ -463,7 +303,7 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
     if not cfg_file.exists():
         raise CheckpointError(f"{path} has no config.json")
     hf = json.loads(cfg_file.read_text())
-    names, get = _read_weights(path)
+    names, get = read_weights_dir(path)
     kind = kind or _detect_kind(hf, names)
     files = _canonical_names(names, kind)
     # EAGLE-3: fc has a bias iff the file has one. EAGLE-1: config "bias" decides (a mismatch is an error
@@ -536,13 +376,32 @@ def load_drafter(path, target_cfg: ModelConfig, *, kind: Optional[str] = None, t
     return DraftHead(params, d2t, cfg)
 
 
+# Compact rows that hold the float weights exactly (`attach_f16_rows` attaches only where they do).
+_EXACT_ROWS = ("f16",)
+
+
+def _refuse_compact_rows(head: DraftHead, leaves):
+    """Refuse a head whose Dense weights were replaced by a compact CPU-kernel copy's values
+    (`load_drafter` under matmul_impl="cpu_kernel": rows "q8_0", "q4_1", "b16", "i8", ... overwrite
+    each "kernel" with the quantised weights dequantised; the originals are gone)."""
+    for path, _ in jax.tree_util.tree_flatten_with_path(head.params)[0]:
+        keys = tuple(p.key for p in path)
+        if keys not in leaves and keys[-1] not in _EXACT_ROWS:
+            raise CheckpointError(
+                f"draft head holds compact CPU-kernel rows {'.'.join(keys)!r}: its weights are the quantised "
+                f"approximation, not the originals, and cannot be exported; load it with the float kernels "
+                f"(target matmul_impl='xla') or load_drafter(..., rows='f16') from a float16 checkpoint to export")
+
+
 def drafter_state_dict(head: DraftHead, dtype: Optional[str] = None) -> dict[str, np.ndarray]:
     """The head's tensors under the reference names and layouts (torch Linear [out, in]), stored in
     `dtype` (default: the head's); EAGLE-3 adds d2t int64 and t2d bool."""
     cfg = head.cfg
+    layout = list(_layout(cfg))
+    _refuse_compact_rows(head, {keys for _, _, keys in layout})
     dt = _np_dtype(dtype or cfg.layer.dtype)
     out = {}
-    for name, _, keys in _layout(cfg):
+    for name, _, keys in layout:
         node = head.params
         for k in keys:
             node = node[k]
@@ -567,6 +426,9 @@ def save_drafter(path, head: DraftHead, target_cfg: ModelConfig, format: str = "
     random init when the file has none): train `DraftConfig.for_target("eagle1", ..., fc_bias=False)`
     for vLLM, keep the default fc_bias=True for SGLang and SafeAILab/EAGLE. Warns (`UserWarning`)
     when the config is one a server or SafeAILab/EAGLE cannot run as written (module docstring).
+    Raises CheckpointError for a head loaded with quantised CPU-kernel rows (`load_drafter(rows=...)`
+    under matmul_impl="cpu_kernel"), whose weights are the approximation: load it with the float
+    kernels to export it.
     """
     from safetensors.numpy import save_file
 

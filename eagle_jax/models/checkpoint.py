@@ -155,15 +155,33 @@ def read_safetensors_dir(path: str | os.PathLike):
     return list(weight_map), lambda name: handles[weight_map[name]].get_tensor(name)
 
 
+def read_weights_dir(path: str | os.PathLike):
+    """(names, get) over a HF directory's weights: safetensors (single or `model.safetensors.index.json`
+    shards, read lazily) where there are any, else PyTorch `pytorch_model.bin` (single or
+    `pytorch_model.bin.index.json` shards, as lmsys/vicuna-7b-v1.3 ships), read without torch by
+    `models.torch_bin`'s restricted unpickler."""
+    path = Path(path)
+    if (path / "model.safetensors.index.json").exists() or any(path.glob("*.safetensors")):
+        return read_safetensors_dir(path)
+    from .torch_bin import read_torch_bin_dir
+
+    found = read_torch_bin_dir(path)
+    if found is None:
+        raise CheckpointError(f"{path} has no weights: neither model.safetensors (or model.safetensors.index.json) "
+                              f"nor pytorch_model.bin (or pytorch_model.bin.index.json)")
+    return found
+
+
 def load_hf_dir(path: str | os.PathLike, omit=(), **config_overrides):
-    """Load (cfg, params) from a HF directory with config.json and safetensors weights (`omit`:
-    stacked layer leaves left unread, as `params_from_hf_state_dict` says)."""
+    """Load (cfg, params) from a HF directory with config.json and safetensors or PyTorch `.bin`
+    weights (`read_weights_dir`; `omit`: stacked layer leaves left unread, as
+    `params_from_hf_state_dict` says)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path} has no config.json")
     cfg = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), **config_overrides)
-    names, get = read_safetensors_dir(path)
+    names, get = read_weights_dir(path)
     return cfg, params_from_hf_state_dict(cfg, get, names, omit=omit)
 
 
