@@ -234,18 +234,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     maybe_initialize_distributed()
     train_cfg = TrainConfig.from_dict(config.get("train", {}))
     params, aux, loss_fn, train_iter, eval_fn = build_job(config)
-    trainer = Trainer(train_cfg, params, aux, loss_fn, train_iter, eval_fn)
+    # EAGLE-3's lm_head columns mean the tokens of its draft vocabulary: a resume must use the same one
+    trainer = Trainer(train_cfg, params, aux, loss_fn, train_iter, eval_fn, pinned_aux=("d2t",))
     if trainer.restored_step:
         print(f"resumed from step {trainer.restored_step}", file=sys.stderr)
     trainer.run()
     trainer.close()
-    export = config.get("export")
-    if export and trainer.is_main and config["job"] in ("eagle1", "eagle3"):
+    export = config.get("export") if config["job"] in ("eagle1", "eagle3") else None
+    if export:
+        from jax.experimental import multihost_utils
+
         from .training.eagle_job import eagle_job, export_head
 
-        out = export_head(trainer.params, aux, eagle_job.last_head_cfg, config.get("model", {}).get(
-            "target", "smollm2-135m-instruct"), export.get("dtype", "float16"), export["path"])
-        print(f"exported the head to {out}", file=sys.stderr)
+        # every process joins: params sharded over other hosts' devices (FSDP across hosts) are gathered
+        # whole onto each host, which process 0 alone could not do (jax.device_get refuses them)
+        host_params = multihost_utils.process_allgather(trainer.params, tiled=True)
+        if trainer.is_main:
+            out = export_head(host_params, aux, eagle_job.last_head_cfg, config.get("model", {}).get(
+                "target", "smollm2-135m-instruct"), export.get("dtype", "float16"), export["path"])
+            print(f"exported the head to {out}", file=sys.stderr)
     summary = {"step": trainer.step_count, "stopped_early": trainer.stopped_early,
                "output_dir": str(Path(train_cfg.output_dir).absolute()), "mesh": dict(trainer.mesh.shape),
                "devices": jax.device_count(), "processes": jax.process_count()}

@@ -134,3 +134,119 @@ def test_eagle1_eval_has_no_training_noise(tiny_hf_dir, tmp_path, rng):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, params0))  # same init
     got = noisy_eval(params, aux)
     assert set(got) >= {"loss", "acc_0", "vloss"} and got == clean_eval(params, aux)
+
+
+def _eagle3_config(tiny_hf_dir, tmp_path, data, **train):
+    return {"job": "eagle3", "model": {"target": str(tiny_hf_dir), "draft_vocab_size": 48},
+            "data": {"train": str(data), "max_len": 40}, "objective": {"ttt_length": 1},
+            "train": {"learning_rate": 1e-3, "warmup_steps": 1, "total_steps": 2, "batch_size": 4, "seq_len": 40,
+                      "output_dir": str(tmp_path / "run"), "save_every": 1, "log_every": 1, "progress": False,
+                      "plot": False, **train}}
+
+
+def test_stale_draft_vocab_npz_is_refused(tiny_hf_dir, tmp_path, rng):
+    """A draft_vocab.npz of another size than model.draft_vocab_size (left by a run with another size)
+    is an error naming the file, not a shape error later."""
+    from eagle_jax.training.eagle_job import eagle_job
+
+    data = tmp_path / "train.jsonl"
+    _conversations(data, rng, n=8)
+    (tmp_path / "run").mkdir()
+    np.savez(tmp_path / "run" / "draft_vocab.npz", d2t=np.zeros(30, np.int64), counts=np.ones(101))
+    with pytest.raises(ValueError, match=r"draft_vocab\.npz holds a draft vocabulary of 30 tokens, but "
+                                         r"model\.draft_vocab_size is 48"):
+        eagle_job(_eagle3_config(tiny_hf_dir, tmp_path, data))
+
+
+def test_resume_refuses_another_draft_vocab(tiny_hf_dir, tmp_path, rng, capsys):
+    """The checkpoint pins the draft vocabulary it was trained with: a resume whose draft_vocab.npz
+    maps the LM-head columns to other tokens (rebuilt from changed data, replaced) is refused; with
+    the original one it resumes."""
+    data = tmp_path / "train.jsonl"
+    _conversations(data, rng, n=8)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(_eagle3_config(tiny_hf_dir, tmp_path, data, stop_at_step=1)))
+    assert train.main(["--config", str(cfg_path)]) == 0
+    npz = tmp_path / "run" / "draft_vocab.npz"
+    saved = dict(np.load(npz))
+    ids = np.arange(48) + saved["d2t"]
+    ids[[0, 1]] = ids[[1, 0]]  # two columns now mean each other's token: same size, other vocabulary
+    np.savez(npz, **{**saved, "d2t": ids - np.arange(48)})
+    cfg_path.write_text(json.dumps(_eagle3_config(tiny_hf_dir, tmp_path, data)))
+    with pytest.raises(ValueError, match=r"checkpoint step 1 .* trained with other values of aux \['d2t'\]"):
+        train.main(["--config", str(cfg_path)])
+    np.savez(npz, **saved)
+    capsys.readouterr()
+    assert train.main(["--config", str(cfg_path)]) == 0
+    out = capsys.readouterr()
+    assert "resumed from step 1" in out.err and json.loads(out.out.splitlines()[-1])["step"] == 2
+
+
+_FSDP_EXPORT = """
+import json, sys
+import jax, numpy as np
+from eagle_jax import train
+from eagle_jax.training import eagle_job as ej
+
+seen, trainers = {}, []
+export_head = ej.export_head
+
+def spy(params, aux, *args, **kwargs):
+    seen["params"] = params
+    return export_head(params, aux, *args, **kwargs)
+
+class Recording(train.Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        trainers.append(self)
+
+ej.export_head, train.Trainer = spy, Recording
+assert train.main(["--config", sys.argv[1]]) == 0
+leaves = jax.tree_util.tree_leaves(trainers[0].params)
+got = jax.tree_util.tree_leaves(seen["params"])
+from eagle_jax.draft import load_drafter
+from eagle_jax.models.checkpoint import load_hf_dir
+cfg = json.load(open(sys.argv[1]))
+head = load_drafter(cfg["export"]["path"], load_hf_dir(cfg["model"]["target"])[0])
+
+
+def flat(tree):
+    leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(tree))
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+
+
+trained, exported = flat(trainers[0].params), flat(head.params)
+print(json.dumps({"devices": jax.device_count(), "split": sum(not x.sharding.is_fully_replicated for x in leaves),
+                  "host": all(type(x) is np.ndarray for x in got),
+                  "same": len(got) == len(leaves) and all(np.array_equal(np.asarray(a), jax.device_get(b))
+                                                          for a, b in zip(got, leaves)),
+                  "exported": sorted(k for k in trained if k in exported and np.array_equal(trained[k], exported[k])),
+                  "trained": sorted(trained)}))
+"""
+
+
+def test_export_gathers_fsdp_sharded_params(tiny_hf_dir, tmp_path, rng):
+    """With the params split over 8 devices (FSDP), the export gets them gathered to whole host arrays
+    (on a pod, process 0 cannot read shards on other hosts' devices: every process joins the gather)
+    with the trained values, and the exported head holds them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "train.jsonl"
+    _conversations(data, rng, n=16)
+    cfg = _eagle3_config(tiny_hf_dir, tmp_path, data, batch_size=8, mesh=[1, 8, 1])
+    cfg["export"] = {"path": str(tmp_path / "head"), "dtype": "float32"}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    (tmp_path / "run_export.py").write_text(_FSDP_EXPORT)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    proc = subprocess.run([sys.executable, str(tmp_path / "run_export.py"), str(tmp_path / "cfg.json")],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["devices"] == 8 and got["split"] > 0, got  # the export path really met split params
+    assert got["host"] and got["same"], got
+    assert got["exported"] == got["trained"], got  # the exported file holds the trained weights

@@ -171,6 +171,25 @@ def test_stop_at_step_then_continue_equals_one_run(tmp_path):
     assert all(0 < v < 1e4 for v in steps_per_s)
 
 
+def test_failing_final_eval_still_leaves_the_final_checkpoint(tmp_path):
+    """The last save comes before the final eval: an eval that crashes at the end (out of memory on a
+    pod, say) loses no steps; a rerun resumes at the last step."""
+    cfg = _toy_config(tmp_path / "r", total=3, save_every=100)
+    cfg["train"]["eval_every"] = 0  # evaluated only after the last step
+    tr, _ = _trainer(cfg)
+
+    def crash(params, aux):
+        raise RuntimeError("eval ran out of memory")
+
+    tr.eval_fn = crash
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tr.run()
+    tr.close()
+    rest, _ = _trainer(cfg)
+    assert rest.restored_step == 3
+    rest.close()
+
+
 def test_max_seconds_ends_the_run_saved_and_a_rerun_continues(tmp_path):
     cfg = _toy_config(tmp_path / "r", total=6, save_every=100)
     cfg["train"]["max_seconds"] = 1e-9  # out of time at the first check (step 1: log_every is 1)

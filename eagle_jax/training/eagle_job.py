@@ -16,7 +16,8 @@ Config sections (defaults in MODEL / DATA / OBJECTIVE below):
   export:    where the finished head is written in the released EAGLE layout (and its dtype)
 
 The draft vocabulary (EAGLE-3) is built from the training data's assistant-token frequencies and
-saved next to the run (`draft_vocab.npz`), so a resumed run keeps the same vocabulary. A warm start
+saved next to the run (`draft_vocab.npz`), so a resumed run keeps the same vocabulary (its sha256 is saved
+with each checkpoint: a resume with another vocabulary is refused, see `Trainer(pinned_aux=...)`). A warm start
 that keeps its head's vocabulary builds none; the log says how much of this data's assistant tokens
 the kept one covers.
 """
@@ -57,7 +58,12 @@ def _log(msg: str):
 
 def _draft_vocab(examples, tcfg, size: int, eos_ids, path: Path):
     if path.exists():
-        return np.load(path)["d2t"]
+        d2t = np.load(path)["d2t"]
+        if len(d2t) != size:
+            raise ValueError(f"{path} holds a draft vocabulary of {len(d2t)} tokens, but model.draft_vocab_size is "
+                             f"{size}: set draft_vocab_size to {len(d2t)} to resume that run, or delete {path} (and "
+                             "train into a new output_dir) to build a new vocabulary")
+        return d2t
     counts = count_tokens(examples, tcfg.vocab_size, assistant_only=True)
     d2t, _ = build_draft_vocab(counts, size, always_include=tuple(eos_ids))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -264,6 +264,23 @@ def _gather_json(obj) -> list:
     return [json.loads(bytes(rows[i, :sizes[i]]).decode()) for i in range(len(sizes))]
 
 
+def _aux_digests(aux, keys: Sequence[str]) -> dict[str, str]:
+    """{key: sha256 of aux[key]'s leaves (dtype, shape, bytes)} for the `keys` present in `aux`."""
+    import hashlib
+
+    out = {}
+    for k in keys:
+        if not isinstance(aux, Mapping) or aux.get(k) is None:
+            continue
+        h = hashlib.sha256()
+        for leaf in jax.tree_util.tree_leaves(jax.device_get(aux[k])):
+            a = np.ascontiguousarray(np.asarray(leaf))
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(a.tobytes())
+        out[k] = h.hexdigest()
+    return out
+
+
 # ------------------------------------------------------------------------------ the trainer
 class Trainer:
     """Builds mesh → optimizer → sharded state → checkpoint manager (resuming the latest
@@ -274,13 +291,17 @@ class Trainer:
       its position is checkpointed and restored, otherwise a resumed run restarts the data.
     eval_fn: `eval_fn(params, aux) -> {name: scalar}`, run every `eval_every` steps and at the end.
     params_axes / aux_axes: logical-axes pytrees overriding the name-based rules.
+    pinned_aux: top-level `aux` keys whose values the trained params depend on (e.g. EAGLE-3's
+      draft vocabulary `d2t`: which token each LM-head column is); their sha256 is saved with every
+      checkpoint, and resuming one with different values is refused.
     hooks: `hook(trainer, step, metrics)` after every step (metrics still on device).
     """
 
     def __init__(self, cfg: TrainConfig, params, aux, loss_fn: LossFn, train_iter: Optional[Iterator] = None,
                  eval_fn: Optional[EvalFn] = None, *, mesh=None, params_axes=None, aux_axes=None,
-                 hooks: Sequence[Callable[["Trainer", int, Mapping], None]] = ()):
+                 hooks: Sequence[Callable[["Trainer", int, Mapping], None]] = (), pinned_aux: Sequence[str] = ()):
         self.cfg, self.loss_fn, self.train_iter, self.eval_fn, self.hooks = cfg, loss_fn, train_iter, eval_fn, hooks
+        self.aux_digests = _aux_digests(aux, pinned_aux)  # before `aux` goes onto the mesh: host values
         self.is_main = jax.process_index() == 0
         # mesh
         self.mesh = mesh if mesh is not None else make_mesh(*cfg.mesh)
@@ -352,7 +373,7 @@ class Trainer:
         it_state = self.train_iter.get_state() if hasattr(self.train_iter, "get_state") else None
         data = {"process_count": jax.process_count(), "states": _gather_json(it_state)}
         meta = {"step": step, "config": self.cfg.to_dict(), "mesh": dict(self.mesh.shape),
-                "time": round(time.time(), 3)}
+                "aux_sha256": self.aux_digests, "time": round(time.time(), 3)}
         saved = self.checkpoints.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(self.state), data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
             force=force)
@@ -372,6 +393,7 @@ class Trainer:
                                         self.state_sharding)
         got = self.checkpoints.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        self._check_aux_digests(step, got["meta"].get("aux_sha256") or {})
         self.state = got["state"]
         self._restore_data(got["data"])
         old = got["meta"].get("config", {})
@@ -382,6 +404,19 @@ class Trainer:
         self.metrics.truncate_after(step)
         log.info("restored checkpoint step %d from %s", step, self.cfg.checkpoint_path)
         return step
+
+    def _check_aux_digests(self, step: int, saved: Mapping[str, str]) -> None:
+        bad = sorted(k for k in set(saved) & set(self.aux_digests) if saved[k] != self.aux_digests[k])
+        if bad:
+            raise ValueError(
+                f"checkpoint step {step} in {self.cfg.checkpoint_path} was trained with other values of aux "
+                f"{bad} than this run has (sha256 {[saved[k][:12] for k in bad]} there, "
+                f"{[self.aux_digests[k][:12] for k in bad]} here): its params would mean something else (e.g. "
+                "an EAGLE-3 draft vocabulary rebuilt from changed data or a replaced draft_vocab.npz). Restore "
+                "the values it was trained with, or train into a new checkpoint directory")
+        missing = sorted(set(self.aux_digests) - set(saved))
+        if missing:
+            log.warning("checkpoint step %d holds no digest of aux %s: not checked", step, missing)
 
     def _restore_data(self, data: Mapping) -> None:
         states = data.get("states") or [None]
@@ -479,9 +514,11 @@ class Trainer:
                     break
             if window:
                 self._log_train(step, window, t_log)
+            # save first: a failing final eval (out of memory on a pod, say) must not lose the steps since
+            # the last periodic save
+            self.save(force=True)
             if self.eval_fn is not None and step > start and last_eval != step:
                 self.evaluate()
-            self.save(force=True)
         finally:  # an interrupt saves nothing: it may land between a batch and its step
             bar.close()
             if self.checkpoints is not None:
